@@ -1,0 +1,340 @@
+"""A tiny, deterministic, randomly initialised Hugging Face model for tests, demos and benchmarks.
+
+``write_demo_model`` writes a complete model folder (config, generation config, safetensors weights, a byte-level BPE
+tokenizer with a ChatML chat template) that loads unchanged in transformers and vLLM. ``resolve_model`` maps the names
+``demo`` / ``demo:<variant>`` to a cached copy of such a folder, and anything else to an existing model folder.
+
+The weights are random but "peaky": greedy next-token logits have a clear winner (median top-1/top-2 gap of several
+units), so two correct implementations that differ only in float rounding pick the same tokens.
+
+The tokenizer never adds special tokens on its own: ``tokenizer("hi")`` is just the BPE pieces of ``"hi"``, and
+``<|begin_of_text|>`` appears only where a caller puts it. The chat template does not add it either.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from common.demo_corpus import demo_corpus
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+# Trained first, so these get ids 0..4 in this order.
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
+
+DEMO_VARIANTS = ("llama", "qwen2")
+
+# Part of the cache folder name: bump it whenever the files written here change, so stale caches are not reused.
+_FORMAT_VERSION = 1
+_TARGET_VOCAB_SIZE = 4096
+
+# ChatML. String content is written as is; a list of OpenAI-style content parts contributes its text parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- elif message['content'] -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Init scales, relative to 1/sqrt(fan_in). Larger q/k gains sharpen attention and larger output gains let the
+# attention and MLP blocks outweigh the token embedding in the residual stream, so the next token depends on the
+# context and not only on the current token. _LOGIT_STD sets how peaky the output distribution is.
+_QK_GAIN = 2.0
+_OUT_GAIN = 2.0
+_BIAS_STD = 0.5
+_LOGIT_STD = 8.0
+
+
+@dataclass(frozen=True)
+class _Spec:
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_positions: int
+    rms_norm_eps: float
+    extra_config: dict[str, Any]
+
+
+_SPECS = {
+    "llama": _Spec(
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        num_layers=4,
+        hidden=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        tie_embeddings=False,
+        qkv_bias=False,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        max_positions=4096,
+        rms_norm_eps=1e-5,
+        extra_config={"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0},
+    ),
+    "qwen2": _Spec(
+        architecture="Qwen2ForCausalLM",
+        model_type="qwen2",
+        num_layers=2,
+        hidden=128,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate=384,
+        tie_embeddings=True,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        max_positions=2048,
+        rms_norm_eps=1e-6,
+        # sliding_window null and max_window_layers == num_layers: every layer is full attention, in any reader.
+        extra_config={
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": 2,
+            "attention_dropout": 0.0,
+        },
+    ),
+}
+
+
+def _spec(variant: str) -> _Spec:
+    try:
+        return _SPECS[variant]
+    except KeyError:
+        raise ValueError(f"unknown demo model variant {variant!r}; expected one of {', '.join(DEMO_VARIANTS)}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    # Cached as a string, not a Tokenizer, so no caller can mutate the shared copy.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # An explicit no-op template, so readers that honour tokenizer.json's post-processor add no BOS either.
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TARGET_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(demo_corpus(), trainer=trainer)
+    return tokenizer.to_str(pretty=True)
+
+
+def _tokenizer_facts() -> tuple[dict[str, int], int]:
+    """Special token ids and the full vocabulary size (added tokens included) of the demo tokenizer."""
+    tokenizer = Tokenizer.from_str(_tokenizer_json())
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    return ids, tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _uniform(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    # Integers from the generator, then exactly rounded float64 arithmetic. torch.randn's CPU kernel has SIMD
+    # specific paths whose last bits can differ between machines; this gives the same bits everywhere.
+    k = torch.randint(0, 1 << 24, shape, generator=gen, dtype=torch.int64)
+    u = (k.to(torch.float64) + 0.5) * 2.0**-23 - 1.0
+    return (u * (std * math.sqrt(3.0))).to(torch.float32)
+
+
+def _state_dict(spec: _Spec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    h, q_dim, kv_dim = spec.hidden, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    ones = functools.partial(torch.ones, dtype=torch.float32)
+
+    tensors = {"model.embed_tokens.weight": _uniform(gen, (vocab_size, h), 1.0)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = ones(h)
+        tensors[p + "self_attn.q_proj.weight"] = _uniform(gen, (q_dim, h), _QK_GAIN / math.sqrt(h))
+        tensors[p + "self_attn.k_proj.weight"] = _uniform(gen, (kv_dim, h), _QK_GAIN / math.sqrt(h))
+        tensors[p + "self_attn.v_proj.weight"] = _uniform(gen, (kv_dim, h), 1.0 / math.sqrt(h))
+        if spec.qkv_bias:
+            tensors[p + "self_attn.q_proj.bias"] = _uniform(gen, (q_dim,), _BIAS_STD)
+            tensors[p + "self_attn.k_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
+            tensors[p + "self_attn.v_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
+        tensors[p + "self_attn.o_proj.weight"] = _uniform(gen, (h, q_dim), _OUT_GAIN / math.sqrt(q_dim))
+        tensors[p + "post_attention_layernorm.weight"] = ones(h)
+        tensors[p + "mlp.gate_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
+        tensors[p + "mlp.up_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
+        tensors[p + "mlp.down_proj.weight"] = _uniform(
+            gen, (h, spec.intermediate), _OUT_GAIN / math.sqrt(spec.intermediate)
+        )
+    tensors["model.norm.weight"] = ones(h)
+    if spec.tie_embeddings:
+        # The tied head is the embedding itself, so scale the embedding to give the logits their spread. Hidden
+        # states are RMS-normalised first, so a larger embedding does not change the layers' relative scales.
+        tensors["model.embed_tokens.weight"] *= _LOGIT_STD / math.sqrt(h)
+    else:
+        tensors["lm_head.weight"] = _uniform(gen, (vocab_size, h), _LOGIT_STD / math.sqrt(h))
+    return tensors
+
+
+def _config(spec: _Spec, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+    # Classic (transformers 4.x) layout with rope_theta / rope_scaling, which every reader understands;
+    # transformers 5 converts it to rope_parameters on load.
+    return {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "torch_dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "use_cache": True,
+        **spec.extra_config,
+    }
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_demo_model(out_dir: str | os.PathLike[str], variant: str = "llama", seed: int = 0) -> Path:
+    """Write a complete demo model folder for ``variant`` (see ``DEMO_VARIANTS``) into ``out_dir`` and return it.
+
+    The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+    and special_tokens_map.json. The same ``variant`` and ``seed`` always give byte-identical files. Raises
+    ValueError for an unknown variant.
+    """
+    spec = _spec(variant)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids, vocab_size = _tokenizer_facts()
+
+    _write_json(out / "config.json", _config(spec, vocab_size, ids))
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids[BOS_TOKEN],
+            "eos_token_id": ids[EOS_TOKEN],
+            "pad_token_id": ids[PAD_TOKEN],
+            "do_sample": False,
+        },
+    )
+    save_file(_state_dict(spec, vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    (out / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
+    special = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            **special,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": spec.max_positions,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(out / "special_tokens_map.json", special)
+    return out
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("KVGRID_CACHE") or Path.home() / ".cache" / "kvgrid").expanduser()
+
+
+def _cached_demo(variant: str) -> Path:
+    target = _cache_root() / f"demo-{variant}-v{_FORMAT_VERSION}"
+    # A folder at ``target`` is always complete: it only ever appears there by an atomic rename.
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    renamed = False
+    try:
+        write_demo_model(tmp, variant)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared by the user's processes
+        try:
+            os.rename(tmp, target)
+            renamed = True
+        except OSError:
+            # A concurrent builder won the race; its files are byte-identical to ours.
+            if not target.is_dir():
+                raise
+    finally:
+        if not renamed:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str) -> Path:
+    """Return the model folder for ``model``.
+
+    ``"demo"`` (or ``"demo:llama"``) and ``"demo:qwen2"`` name demo models, built on first use under
+    ``$KVGRID_CACHE`` (default ``~/.cache/kvgrid``) and reused afterwards; concurrent callers are safe. Anything
+    else must be a path to a Hugging Face model folder containing config.json. Raises ValueError for an unknown
+    demo variant or an empty name, FileNotFoundError when the path is not a model folder.
+    """
+    if not model:
+        raise ValueError("model name is empty; use 'demo', 'demo:<variant>' or a path to a model folder")
+    if model == "demo" or model.startswith("demo:"):
+        variant = "llama" if model == "demo" else model.removeprefix("demo:")
+        _spec(variant)
+        return _cached_demo(variant)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a directory; use 'demo', 'demo:<variant>' or a path to a Hugging Face model folder"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+    return path

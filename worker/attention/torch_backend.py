@@ -1,0 +1,71 @@
+"""Paged attention in plain torch: gathers each sequence's blocks, then masked attention. Runs anywhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+    ) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
+        if len(decode) > 1:
+            self._decode(q, k_cache, v_cache, md, scale, decode, out)
+            decode_set = set(decode)
+        else:
+            decode_set = set()
+        block_size = k_cache.shape[1]
+        for i, (qlen, slen) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+            if i in decode_set:
+                continue
+            start = int(md.query_start_loc[i])
+            blocks = md.block_tables[i, : -(-slen // block_size)]
+            k = k_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)  # [kv_heads, slen, d]
+            v = v_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)
+            qi = q[start : start + qlen].transpose(0, 1)  # [heads, qlen, d]
+            # Query j sits at position slen - qlen + j and sees keys 0 .. that position.
+            mask = torch.ones(qlen, slen, dtype=torch.bool, device=q.device).tril(slen - qlen)
+            o = F.scaled_dot_product_attention(
+                qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[start : start + qlen] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        rows: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """One query token per sequence, batched: pad every context to the longest and mask the rest."""
+        block_size, kv_heads, d = k_cache.shape[1:]
+        idx = torch.tensor(rows, device=q.device)
+        lens = md.seq_lens[idx]
+        max_len = max(md.seq_lens_cpu[i] for i in rows)
+        tables = md.block_tables[idx, : -(-max_len // block_size)]
+        k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, L, kv_heads, d]
+        v = v_cache[tables].flatten(1, 2).to(q.dtype)
+        tok = md.query_start_loc[idx].long()
+        qb = q[tok].view(len(rows), kv_heads, -1, d)  # [B, kv_heads, group, d]
+        scores = torch.einsum("bkgd,blkd->bkgl", qb.float(), k.float()) * scale
+        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= lens[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v.float())
+        out[tok] = o.reshape(len(rows), -1, d).to(out.dtype)

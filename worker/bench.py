@@ -1,0 +1,82 @@
+"""``kvgrid bench engine``: time to first token cold vs. over a cached prefix, and decode throughput."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+from common.sampling import SamplingParams
+from worker.engine import Engine, EngineConfig
+
+
+def _ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    return time.perf_counter() - start, out.num_cached_tokens
+
+
+def _decode_rate(engine: Engine, batch: int, prompt_len: int, steps: int, rng: random.Random) -> float:
+    """Output tokens per second over steps in which every sequence of the batch decodes."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
+        engine.step()
+    tokens, elapsed = 0, 0.0
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        outs = engine.step()
+        elapsed += time.perf_counter() - t
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    return tokens / elapsed
+
+
+def run(
+    model: str = "demo",
+    prompt_len: int = 2048,
+    cached: int = 1984,
+    batches: tuple[int, ...] = (1, 8, 32),
+    decode_steps: int = 64,
+    repeats: int = 5,
+    device: str = "auto",
+    as_json: bool = False,
+) -> dict:
+    engine = Engine(EngineConfig(model=model, device=device, max_num_batched_tokens=max(2048, prompt_len)))
+    bs = engine.config.block_size
+    if cached % bs or not 0 < cached < prompt_len:
+        raise ValueError(f"cached must be a multiple of the block size ({bs}) below the prompt length")
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    _ttft(engine, [rng.randrange(vocab) for _ in range(prompt_len)])  # warm-up
+    cold, hit, hit_cached = [], [], 0
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        base = [rng.randrange(vocab) for _ in range(prompt_len)]
+        t, _ = _ttft(engine, base)
+        cold.append(t)
+        sibling = base[:cached] + [rng.randrange(vocab) for _ in range(prompt_len - cached)]
+        t, hit_cached = _ttft(engine, sibling)
+        hit.append(t)
+    engine.reset_prefix_cache()
+    result = {
+        "device": str(engine.device),
+        "prompt_tokens": prompt_len,
+        "ttft_cold_ms": statistics.median(cold) * 1e3,
+        "ttft_hit_ms": statistics.median(hit) * 1e3,
+        "hit_cached_tokens": hit_cached,
+        "ttft_ratio": statistics.median(hit) / statistics.median(cold),
+        "decode_tokens_per_s": {b: _decode_rate(engine, b, 128, decode_steps, rng) for b in batches},
+    }
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"engine benchmark on {result['device']} ({model}, median of {repeats})")
+        print(f"  TTFT cold, {prompt_len}-token prompt:          {result['ttft_cold_ms']:8.1f} ms")
+        print(f"  TTFT with {hit_cached} tokens cached:          {result['ttft_hit_ms']:8.1f} ms")
+        print(f"  TTFT(hit) / TTFT(cold):                  {result['ttft_ratio']:8.3f}  (target <= 0.10)")
+        for b, rate in result["decode_tokens_per_s"].items():
+            print(f"  decode, batch {b:3d}:                      {rate:8.1f} tokens/s")
+    return result

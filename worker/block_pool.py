@@ -1,0 +1,175 @@
+"""The block pool: physical KV blocks, their reference counts, the key -> block map and the LRU free queue.
+
+A block with references is in use. A block without references sits in the free queue; if it still has a
+key it is *cached*: a later request with that key takes it back out of the queue (O(1), from anywhere in
+it). Only when a fresh block is needed is the least recently freed block popped and its key forgotten
+(lazy eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from common.events import AllCleared, BlockRemoved, BlockStored, EventSink
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: bytes | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.key is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks themselves: O(1) pop, append and removal."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, b: Block) -> None:
+        assert b.prev is None and b.next is None, f"{b} is already queued"
+        last = self._tail.prev
+        assert last is not None
+        last.next, b.prev, b.next, self._tail.prev = b, last, self._tail, b
+        self._len += 1
+
+    def remove(self, b: Block) -> None:
+        assert b.prev is not None and b.next is not None, f"{b} is not queued"
+        b.prev.next, b.next.prev = b.next, b.prev
+        b.prev = b.next = None
+        self._len -= 1
+
+    def popleft(self) -> Block:
+        b = self._head.next
+        assert b is not None and b is not self._tail, "free queue is empty"
+        self.remove(b)
+        return b
+
+    def __iter__(self):
+        b = self._head.next
+        while b is not self._tail:
+            assert b is not None
+            yield b
+            b = b.next
+
+
+class PoolUsage(NamedTuple):
+    used: int
+    cached: int
+    free: int
+
+
+class BlockPool:
+    """Owns ``num_blocks`` physical block ids; the K/V tensors they index live in the model runner."""
+
+    def __init__(self, num_blocks: int, sink: EventSink | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.key_to_block: dict[bytes, Block] = {}
+        self.sink = sink
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free or cached without references)."""
+        return len(self.free_queue)
+
+    def lookup(self, key: bytes) -> Block | None:
+        return self.key_to_block.get(key)
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """Hand out ``n`` blocks with one reference each, evicting the least recently freed cached ones."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        out, evicted = [], []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            assert b.ref_cnt == 0
+            if b.key is not None:
+                if self.key_to_block.get(b.key) is b:
+                    del self.key_to_block[b.key]
+                evicted.append(b.key)
+                b.key = None
+            b.ref_cnt = 1
+            out.append(b)
+        if evicted and self.sink is not None:
+            self.sink.publish(BlockRemoved(evicted))
+        return out
+
+    def cache(self, blocks: list[Block], keys: list[bytes], parent_key: bytes | None) -> int:
+        """Register full blocks whose K/V is now written under their chained keys; returns how many were new.
+
+        A key another block already holds (the same prefix computed twice) keeps its first block; the
+        duplicate stays uncached and returns to the pool like any other block.
+        """
+        assert len(blocks) == len(keys)
+        run: list[bytes] = []
+        run_parent = parent_key
+        stored = 0
+        for b, key in zip(blocks, keys):
+            assert b.ref_cnt > 0, f"caching unreferenced {b}"
+            if b.key is None and key not in self.key_to_block:
+                b.key = key
+                self.key_to_block[key] = b
+                run.append(key)
+                stored += 1
+            else:
+                self._publish_stored(run, run_parent)
+                run = []
+                run_parent = key
+        self._publish_stored(run, run_parent)
+        return stored
+
+    def _publish_stored(self, keys: list[bytes], parent_key: bytes | None) -> None:
+        if keys and self.sink is not None:
+            self.sink.publish(BlockStored(keys, parent_key))
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in the order given (callers pass a sequence tail first, so
+        its tail blocks are evicted before the prefix other requests are likely to share)."""
+        for b in blocks:
+            assert b.ref_cnt > 0, f"double free of {b}"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def reset(self) -> bool:
+        """Forget every cached key. Only possible while no block is in use; returns whether it happened."""
+        if self.num_free != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.key = None
+        self.key_to_block.clear()
+        if self.sink is not None:
+            self.sink.publish(AllCleared())
+        return True
+
+    def usage(self) -> PoolUsage:
+        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.key is not None)
+        return PoolUsage(used, cached, self.num_blocks - used - cached)

@@ -1,0 +1,311 @@
+"""The engine one worker group runs: admission with prefix reuse, continuous batching, sampling, outputs.
+
+    engine = Engine(EngineConfig(model="demo"))
+    outs = engine.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0.0), tenant="acme")
+
+``add_request`` / ``step`` / ``abort`` are the incremental interface the Ray actor drives; every ``step``
+returns one ``RequestOutput`` per request that advanced, with the step's new tokens and text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from common.demo_model import resolve_model
+from common.events import EventSink
+from common.hashing import HASH_ALGOS, new_secret, tenant_root_key
+from common.model_config import ModelConfig, load_tokenizer
+from common.outputs import RequestOutput
+from common.sampling import SamplingParams
+from worker.attention import get_backend
+from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from worker.model_runner import ModelRunner
+from worker.sampler import Sampler
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence, SequenceStatus
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. ``model`` is an HF folder or ``"demo"``. The KV cache holds ``num_blocks`` blocks if
+    given, else as many as fit in ``kv_cache_bytes`` (CPU) or in ``gpu_memory_utilization`` of the GPU memory
+    left after loading weights (CUDA). ``secret`` salts every tenant's root key: router and workers must share
+    it (default: ``$KVGRID_SECRET``, else a random one per engine)."""
+
+    model: str = "demo"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 2**20
+    gpu_memory_utilization: float = 0.85
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    attention_backend: str = "auto"
+    hash_algo: str = "xxh3_128"
+    secret: bytes | str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    num_preemptions: int
+    prefix_cache: dict[str, PrefixCacheStats]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_config = mcfg = ModelConfig.from_folder(self.model_path)
+        dev = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        self.dtype = self._pick_dtype(config.dtype, mcfg, self.device)
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.tokenizer = load_tokenizer(self.model_path)
+        backend = get_backend(config.attention_backend, self.device.type)
+        self.runner = ModelRunner(mcfg, self.device, self.dtype, config.block_size, backend)
+        num_blocks = self.runner.allocate_kv_cache(
+            config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.hash_algo, event_sink)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.sampler = Sampler(config.seed)
+        secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._roots: dict[str, bytes] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
+        if name != "auto":
+            return _DTYPES[name]
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(mcfg.torch_dtype) if mcfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    def root_key(self, tenant: str) -> bytes:
+        """The tenant's root key (server side only: never sent to a client)."""
+        key = self._roots.get(tenant)
+        if key is None:
+            key = self._roots[tenant] = tenant_root_key(self._secret, tenant, self.config.hash_algo)
+        return key
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        tenant: str = "default",
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ``ValueError`` (and changes nothing) if it is malformed or can never fit."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if -(-longest // self.config.block_size) > self.num_blocks:
+            raise ValueError(
+                f"request needs up to {longest} tokens of KV cache but the cache holds only "
+                f"{self.num_blocks * self.config.block_size}; lower max_tokens or shorten the prompt"
+            )
+        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant), self.config.block_size)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise ValueError("the prompt must be a list of token ids (tokenize text first)")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
+                "(including at least one output token)"
+            )
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are released. Returns False if it is unknown or already done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- stepping ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch: schedule, compute, sample, and report every request that produced tokens."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.run(batch)
+        done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
+        results = self.sampler(logits, done) if done else []
+        for seq, n in batch:
+            self.scheduler.on_computed(seq, n)
+        now = time.perf_counter()
+        outputs = []
+        for seq, res in zip(done, results):
+            self._append(seq, res.token_id, res.logprob, res.top, now)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                del self._seqs[seq.request_id]
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
+        seq.token_ids.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            if top is not None:
+                seq.top_logprobs.append(top)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_config.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        for s in p.stop:
+            cut = seq.text.find(s)
+            if cut >= 0:
+                seq.text, reason = seq.text[:cut], "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = seq.text
+        if seq.is_finished:
+            final = len(text)
+        else:
+            # Hold back an incomplete UTF-8 character and anything that may still turn into a stop string.
+            final = len(text.rstrip("\ufffd"))
+            for s in seq.params.stop:
+                for k in range(min(len(s) - 1, final), 0, -1):
+                    if text[:final].endswith(s[:k]):
+                        final -= k
+                        break
+        final = max(final, seq.num_emitted_chars)
+        delta, seq.num_emitted_chars = text[seq.num_emitted_chars : final], final
+        new, seq.num_emitted_tokens = seq.output_token_ids[seq.num_emitted_tokens :], seq.num_output_tokens
+        want_lp = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            tenant=seq.tenant,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=text,
+            new_token_ids=new,
+            delta_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
+            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        )
+
+    # -- convenience ------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        tenant: str = "default",
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` as one batch to completion; results in the order given. Every prompt is checked
+        before any is queued, so a bad one raises ``ValueError`` without side effects."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        for p in prompts:
+            self._check_prompt(p)
+        ids = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(
+        self, prompt: Seq[int], params: SamplingParams | None = None, tenant: str = "default"
+    ) -> Iterator[RequestOutput]:
+        """Run one request, yielding its output after every step that advanced it (other requests advance too)."""
+        rid = self.add_request(prompt, params, tenant)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def stats(self) -> EngineStats:
+        usage = self.kv.pool.usage()
+        sched = self.scheduler
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
+                     if s.num_tokens - s.num_computed_tokens > 1)
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=queued,
+            blocks_used=usage.used,
+            blocks_cached=usage.cached,
+            blocks_free=usage.free,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only while idle); publishes ``AllCleared``."""
+        return self.kv.pool.reset()

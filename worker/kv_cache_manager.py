@@ -1,0 +1,104 @@
+"""Per-request KV allocation on top of the block pool: prefix lookup, growth, registration, release."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from common.events import EventSink
+from common.hashing import block_keys
+from worker.block_pool import Block, BlockPool
+from worker.sequence import Sequence
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups of one tenant, in prompt tokens (counted once per request, on first admission)."""
+
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, hash_algo: str, sink: EventSink | None = None) -> None:
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self.pool = BlockPool(num_blocks, sink)
+        self.stats: dict[str, PrefixCacheStats] = defaultdict(PrefixCacheStats)
+
+    def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The first ``num_blocks`` full-block keys of ``seq``, hashing only blocks not hashed before."""
+        have = len(seq.block_keys)
+        if num_blocks > have:
+            parent = seq.block_keys[-1] if have else seq.root_key
+            upto = seq.token_ids[: num_blocks * self.block_size]
+            seq.block_keys.extend(block_keys(upto, self.block_size, parent, self.hash_algo, start_block=have))
+        return seq.block_keys[:num_blocks]
+
+    def find_prefix(self, seq: Sequence) -> list[Block]:
+        """The longest run of cached leading blocks of ``seq``, leaving at least its last token to compute."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for key in self.keys_of(seq, max_blocks):
+            b = self.pool.lookup(key)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int = 0) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table) - num_prefix_blocks)
+
+    def can_admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> bool:
+        # Touching a cached-but-free prefix block takes it out of the free queue too.
+        reclaimed = sum(1 for b in prefix if b.ref_cnt == 0)
+        return self.blocks_needed(seq, num_new_tokens, len(prefix)) + reclaimed <= self.pool.num_free
+
+    def admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> None:
+        """Attach the cached ``prefix`` (no copy) and allocate blocks for the next ``num_new_tokens``."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        self.pool.touch(prefix)
+        seq.block_table = list(prefix)
+        seq.num_computed_tokens = len(prefix) * self.block_size
+        seq.num_registered_blocks = len(prefix)
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_tokens = seq.num_computed_tokens
+            st = self.stats[seq.tenant]
+            st.requests += 1
+            st.queried_tokens += seq.num_prompt_tokens
+            st.hit_tokens += seq.num_cached_tokens
+        self.grow(seq, num_new_tokens)
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (and nothing allocated) if the pool is short."""
+        n = self.blocks_needed(seq, num_new_tokens)
+        if n > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate(n))
+        return True
+
+    def register(self, seq: Sequence) -> list[bytes]:
+        """Publish the blocks ``seq`` has completely computed since last time; returns their keys."""
+        num_full = seq.num_computed_tokens // self.block_size
+        start = seq.num_registered_blocks
+        if num_full <= start:
+            return []
+        keys = self.keys_of(seq, num_full)[start:]
+        parent = seq.block_keys[start - 1] if start else seq.root_key
+        self.pool.cache(seq.block_table[start:num_full], keys, parent)
+        seq.num_registered_blocks = num_full
+        return keys
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks, tail first; their computed content stays cached until evicted."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0

@@ -1,0 +1,97 @@
+"""Column- and row-parallel linear layers. Each parameter knows how to load its rank's slice of an HF tensor."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.distributed import all_reduce, shard_range, tp_rank, tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T``, with W's output rows split over ranks; each rank returns its slice of ``y``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.rank, self.world = tp_rank(), tp_size()
+        start, end = shard_range(out_features, self.rank, self.world)
+        self.weight = nn.Parameter(torch.empty(end - start, in_features), requires_grad=False)
+        self.weight.weight_loader = self.load_sharded  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(end - start), requires_grad=False)
+            self.bias.weight_loader = self.load_sharded  # type: ignore[attr-defined]
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        start, end = shard_range(loaded.shape[0], self.rank, self.world)
+        param.data.copy_(loaded[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up projections); shard ``i`` loads part ``i``."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int)
+        offset = sum(self.out_sizes[:shard_id]) // self.world
+        start, end = shard_range(loaded.shape[0], self.rank, self.world)
+        param.data[offset : offset + end - start].copy_(loaded[start:end])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul, split by heads. With more ranks than KV heads, KV heads are
+    replicated so that each rank holds exactly one."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        world = tp_size()
+        if num_heads % world:
+            raise ValueError(f"{num_heads} attention heads do not split over {world} ranks")
+        if num_kv_heads >= world and num_kv_heads % world or num_kv_heads < world and world % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {world} ranks")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // world
+        self.num_kv_heads = max(1, num_kv_heads // world)
+        self.total_kv_heads = num_kv_heads
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.q_size, self.kv_size = q, kv
+        # The parent splits out_features by the world size; hand it the full (replicated) width.
+        super().__init__(hidden, (q + 2 * kv) * world, bias)
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id == "q":
+            start, size, offset = self.rank * self.q_size, self.q_size, 0
+        else:
+            # Rank r holds KV head r * total // world (several ranks share a head when replicated).
+            head = self.rank * self.total_kv_heads // self.world
+            start, size = head * self.head_dim, self.kv_size
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+        param.data[offset : offset + size].copy_(loaded[start : start + size])
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.rank, self.world = tp_rank(), tp_size()
+        start, end = shard_range(in_features, self.rank, self.world)
+        self.weight = nn.Parameter(torch.empty(out_features, end - start), requires_grad=False)
+        self.weight.weight_loader = self.load_sharded  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        start, end = shard_range(loaded.shape[1], self.rank, self.world)
+        param.data.copy_(loaded[:, start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

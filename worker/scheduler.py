@@ -1,0 +1,125 @@
+"""Continuous batching: each step mixes decodes with (chunked) prefills under a token budget.
+
+Decodes go first, then unfinished prefills of running requests, then new admissions in arrival order. When
+blocks run out, the youngest running request is preempted: its blocks are released (they stay cached, so
+its own recompute usually hits them) and it goes back to the front of the queue.
+
+A waiting request whose next uncached block is being computed right now by another request waits for that
+block instead of computing the same prefix a second time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from worker.kv_cache_manager import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_tokens: int
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Keys of prompt blocks that a running request is computing now -> that request's id.
+        self.inflight: dict[bytes, str] = {}
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted = False
+        # Decodes (one token left to compute) before prefills; ties keep arrival order.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.grow(seq, n):
+                victim = self.running[-1]
+                for i, item in enumerate(out):
+                    if item.seq is victim:  # already planned this step: un-plan it
+                        budget += out.pop(i).num_tokens
+                        break
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, out)
+        return out
+
+    def _admit(self, budget: int, out: list[ScheduledSeq]) -> int:
+        admitted = []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            prefix = self.kv.find_prefix(seq)
+            nxt = len(prefix)
+            if nxt < len(seq.block_keys) and seq.block_keys[nxt] in self.inflight:
+                continue  # another request is computing this block: take it from the cache next step
+            n = min(seq.num_tokens - nxt * self.kv.block_size, budget)
+            if not self.kv.can_admit(seq, prefix, n):
+                break  # first come, first served on memory
+            self.kv.admit(seq, prefix, n)
+            seq.status = SequenceStatus.RUNNING
+            for key in seq.block_keys[nxt : seq.num_prompt_tokens // self.kv.block_size]:
+                self.inflight.setdefault(key, seq.request_id)
+            admitted.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        return budget
+
+    def _release_inflight(self, seq: Sequence, keys: list[bytes] | None = None) -> None:
+        for key in seq.block_keys if keys is None else keys:
+            if self.inflight.get(key) == seq.request_id:
+                del self.inflight[key]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq)
+        self._release_inflight(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def on_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Account for ``num_tokens`` of ``seq`` whose K/V the model just wrote."""
+        seq.num_computed_tokens += num_tokens
+        self._release_inflight(seq, self.kv.register(seq))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (running or waiting) and release its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.release(seq)
+        self._release_inflight(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

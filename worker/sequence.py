@@ -1,0 +1,79 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from common.sampling import SamplingParams
+from worker.block_pool import Block
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens (prompt then output), the block table that holds their K/V, and how far they are computed."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        root_key: bytes,
+        block_size: int,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.tenant = tenant
+        self.root_key = root_key
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[Block] = []
+        self.block_keys: list[bytes] = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        # Prompt tokens served from the cache on first admission (what usage reports).
+        self.num_cached_tokens = 0
+        self.admitted = False
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.block_table]
