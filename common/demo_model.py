@@ -61,7 +61,8 @@ CHAT_TEMPLATE = (
 # attention and MLP blocks outweigh the token embedding in the residual stream, so the next token depends on the
 # context and not only on the current token. _LOGIT_STD sets how peaky the output distribution is.
 _QK_GAIN = 2.0
-_OUT_GAIN = 2.0
+_ATTN_OUT_GAIN = 2.0
+_MLP_OUT_GAIN = 2.0
 _BIAS_STD = 0.5
 _LOGIT_STD = 8.0
 
@@ -193,12 +194,12 @@ def _state_dict(spec: _Spec, vocab_size: int, seed: int) -> dict[str, torch.Tens
             tensors[p + "self_attn.q_proj.bias"] = _uniform(gen, (q_dim,), _BIAS_STD)
             tensors[p + "self_attn.k_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
             tensors[p + "self_attn.v_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
-        tensors[p + "self_attn.o_proj.weight"] = _uniform(gen, (h, q_dim), _OUT_GAIN / math.sqrt(q_dim))
+        tensors[p + "self_attn.o_proj.weight"] = _uniform(gen, (h, q_dim), _ATTN_OUT_GAIN / math.sqrt(q_dim))
         tensors[p + "post_attention_layernorm.weight"] = ones(h)
         tensors[p + "mlp.gate_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
         tensors[p + "mlp.up_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
         tensors[p + "mlp.down_proj.weight"] = _uniform(
-            gen, (h, spec.intermediate), _OUT_GAIN / math.sqrt(spec.intermediate)
+            gen, (h, spec.intermediate), _MLP_OUT_GAIN / math.sqrt(spec.intermediate)
         )
     tensors["model.norm.weight"] = ones(h)
     if spec.tie_embeddings:

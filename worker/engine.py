@@ -77,6 +77,7 @@ class EngineStats:
     blocks_cached: int
     blocks_free: int
     num_preemptions: int
+    computed_tokens: int
     prefix_cache: dict[str, PrefixCacheStats]
 
 
@@ -303,6 +304,7 @@ class Engine:
             blocks_cached=usage.cached,
             blocks_free=usage.free,
             num_preemptions=sched.num_preemptions,
+            computed_tokens=sched.num_computed_tokens,
             prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},
         )
 

@@ -51,14 +51,17 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int = 0) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks ``seq`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        return max(0, total - len(seq.block_table) - num_prefix_blocks)
+        return max(0, total - len(seq.block_table))
 
     def can_admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> bool:
+        assert not seq.block_table
+        fresh = -(-(len(prefix) * self.block_size + num_new_tokens) // self.block_size) - len(prefix)
         # Touching a cached-but-free prefix block takes it out of the free queue too.
         reclaimed = sum(1 for b in prefix if b.ref_cnt == 0)
-        return self.blocks_needed(seq, num_new_tokens, len(prefix)) + reclaimed <= self.pool.num_free
+        return fresh + reclaimed <= self.pool.num_free
 
     def admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> None:
         """Attach the cached ``prefix`` (no copy) and allocate blocks for the next ``num_new_tokens``."""
@@ -74,7 +77,9 @@ class KVCacheManager:
             st.requests += 1
             st.queried_tokens += seq.num_prompt_tokens
             st.hit_tokens += seq.num_cached_tokens
-        self.grow(seq, num_new_tokens)
+        ok = self.grow(seq, num_new_tokens)
+        assert ok, "admit() without can_admit()"
+
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens; False (and nothing allocated) if the pool is short."""

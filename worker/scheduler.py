@@ -32,6 +32,7 @@ class Scheduler:
         # Keys of prompt blocks that a running request is computing now -> that request's id.
         self.inflight: dict[bytes, str] = {}
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # every token the model has run, prefill and decode
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,6 +110,7 @@ class Scheduler:
     def on_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Account for ``num_tokens`` of ``seq`` whose K/V the model just wrote."""
         seq.num_computed_tokens += num_tokens
+        self.num_computed_tokens += num_tokens
         self._release_inflight(seq, self.kv.register(seq))
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Build demo models once per test session, in a private cache, never in the user's."""
+    os.environ["KVGRID_CACHE"] = str(tmp_path_factory.mktemp("kvgrid-cache"))
+
+
+@pytest.fixture(scope="session")
+def demo_path(_demo_cache: None):
+    from common.demo_model import resolve_model
+
+    return resolve_model("demo")
+
+
+@pytest.fixture(scope="session")
+def qwen_path(_demo_cache: None):
+    from common.demo_model import resolve_model
+
+    return resolve_model("demo:qwen2")

@@ -1,0 +1,188 @@
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
+from common.hashing import block_keys, tenant_root_key
+from common.sampling import SamplingParams
+from worker.block_pool import BlockPool
+from worker.kv_cache_manager import KVCacheManager
+from worker.sequence import Sequence
+
+BS = 4
+ROOT = tenant_root_key(b"test-secret", "acme")
+
+
+def make_seq(rid: str, tokens: list[int], root: bytes = ROOT) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), "acme", root, BS)
+
+
+def compute_all(kv: KVCacheManager, seq: Sequence) -> None:
+    """Admit ``seq`` with its cached prefix and pretend the model computed the rest."""
+    prefix = kv.find_prefix(seq)
+    n = seq.num_tokens - len(prefix) * BS
+    assert kv.can_admit(seq, prefix, n)
+    kv.admit(seq, prefix, n)
+    seq.num_computed_tokens += n
+    kv.register(seq)
+
+
+def test_free_queue_is_lru_and_a_hit_leaves_it_from_the_middle():
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    pool.free([blocks[2], blocks[0], blocks[3], blocks[1]])
+    assert [b.block_id for b in pool.free_queue] == [2, 0, 3, 1]
+    pool.touch([blocks[3]])
+    assert [b.block_id for b in pool.free_queue] == [2, 0, 1]
+    assert [b.block_id for b in pool.allocate(2)] == [2, 0]
+
+
+def test_freed_cached_block_keeps_its_key_until_reused():
+    sink = ListSink()
+    pool = BlockPool(2, sink)
+    b = pool.allocate(1)
+    pool.cache(b, [b"k" * 16], ROOT)
+    pool.free(b)
+    assert pool.lookup(b"k" * 16) is b[0] and pool.usage().cached == 1
+    pool.allocate(1)  # the never-cached block goes first
+    assert pool.lookup(b"k" * 16) is b[0]
+    pool.allocate(1)
+    assert pool.lookup(b"k" * 16) is None
+    assert sink.events == [BlockStored([b"k" * 16], ROOT), BlockRemoved([b"k" * 16])]
+
+
+def test_referenced_blocks_are_never_evicted():
+    pool = BlockPool(3)
+    held = pool.allocate(2)
+    pool.cache(held, [b"a" * 16, b"b" * 16], ROOT)
+    pool.allocate(1)
+    assert pool.num_free == 0
+    try:
+        pool.allocate(1)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("allocated a block while every block is referenced")
+    assert pool.lookup(b"a" * 16) is held[0] and pool.lookup(b"b" * 16) is held[1]
+
+
+def test_finished_sequence_frees_tail_first_so_its_tail_is_evicted_first():
+    sink = ListSink()
+    kv = KVCacheManager(4, BS, "xxh3_128", sink)
+    seq = make_seq("a", list(range(12)) + [99])
+    compute_all(kv, seq)
+    keys = list(seq.block_keys[:3])
+    kv.release(seq)
+    sink.drain()
+    kv.pool.allocate(2)  # the uncached partial tail block, then the last full block
+    assert sink.events == [BlockRemoved([keys[2]])]
+
+
+def test_second_request_sharing_blocks_attaches_them_without_copy():
+    kv = KVCacheManager(16, BS, "xxh3_128")
+    a = make_seq("a", list(range(10)))
+    compute_all(kv, a)
+    b = make_seq("b", list(range(9)) + [77, 78])
+    compute_all(kv, b)
+    assert b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] is not a.block_table[2]
+    assert a.block_table[0].ref_cnt == 2
+
+
+def test_last_token_is_always_computed():
+    kv = KVCacheManager(16, BS, "xxh3_128")
+    compute_all(kv, make_seq("a", list(range(8))))
+    again = make_seq("b", list(range(8)))
+    compute_all(kv, again)
+    assert again.num_cached_tokens == 4
+
+
+def test_stored_events_carry_the_chained_keys_the_router_computes():
+    sink = ListSink()
+    kv = KVCacheManager(16, BS, "xxh3_128", sink)
+    tokens = list(range(100, 113))
+    compute_all(kv, make_seq("a", tokens))
+    assert sink.events == [BlockStored(block_keys(tokens, BS, ROOT), ROOT)]
+
+
+def test_reset_clears_only_when_idle():
+    sink = ListSink()
+    kv = KVCacheManager(8, BS, "xxh3_128", sink)
+    seq = make_seq("a", list(range(9)))
+    compute_all(kv, seq)
+    assert not kv.pool.reset()
+    kv.release(seq)
+    assert kv.pool.reset() and kv.pool.usage().cached == 0
+    assert sink.events[-1] == AllCleared()
+
+
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random admissions (sharing prefixes), decode growth, finishes and evictions keep the pool sound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(12, BS, "xxh3_128", ListSink())
+        self.live: list[Sequence] = []
+        self.n = 0
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=9))
+    def admit(self, base: list[int], cut: int, tail: list[int]) -> None:
+        seq = make_seq(f"r{self.n}", base[:cut] + tail)
+        self.n += 1
+        prefix = self.kv.find_prefix(seq)
+        n = seq.num_tokens - len(prefix) * BS
+        if not self.kv.can_admit(seq, prefix, n):
+            return
+        self.kv.admit(seq, prefix, n)
+        seq.num_computed_tokens += n
+        self.kv.register(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), tok=st.integers(0, 3))
+    def decode(self, i: int, tok: int) -> None:
+        seq = self.live[i % len(self.live)]
+        seq.token_ids.append(tok)
+        if self.kv.grow(seq, 1):
+            seq.num_computed_tokens += 1
+            self.kv.register(seq)
+        else:
+            seq.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def finish(self, i: int) -> None:
+        self.kv.release(self.live.pop(i % len(self.live)))
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        pool = self.kv.pool
+        queued = {b.block_id for b in pool.free_queue}
+        refs = {b.block_id: 0 for b in pool.blocks}
+        for seq in self.live:
+            for b in seq.block_table:
+                refs[b.block_id] += 1
+        for b in pool.blocks:
+            assert b.ref_cnt >= 0
+            assert b.ref_cnt == refs[b.block_id]
+            assert (b.block_id in queued) == (b.ref_cnt == 0)
+            if b.key is not None:
+                assert pool.key_to_block[b.key] is b
+        for key, b in pool.key_to_block.items():
+            assert b.key == key
+        assert len(queued) == pool.num_free
+
+    def teardown(self) -> None:
+        for seq in self.live:
+            self.kv.release(seq)
+        assert self.kv.pool.num_free == self.kv.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -1,0 +1,204 @@
+"""The engine against transformers, token for token, across the paths that reuse or rebuild K/V."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.events import BlockStored, ListSink
+from common.hashing import block_keys
+from common.sampling import SamplingParams
+from worker.engine import Engine, EngineConfig
+
+MAX_NEW = 10
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["demo", "qwen"])
+def model(request, demo_path, qwen_path):
+    """(folder, transformers model, memoised greedy reference) for the GQA/untied and MHA/tied shapes."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_path if request.param == "demo" else qwen_path
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def reference(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in memo:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+            memo[key] = out[0, len(prompt) :].tolist()
+        return memo[key]
+
+    return path, hf, reference
+
+
+def engine_for(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", secret=b"test-secret", **kw))
+
+
+def prompts(seed: int, n: int = 20, vocab: int = 4000) -> list[list[int]]:
+    """Random prompts, a few of them sharing long prefixes (so batches contain hits and near-misses)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(48)]
+    out = []
+    for i in range(n):
+        head = shared[: rng.randrange(1, 48)] if i % 2 else []
+        out.append(head + [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))])
+    return out
+
+
+def assert_matches(outs, batch, reference) -> None:
+    for p, o in zip(batch, outs):
+        assert o.token_ids == reference(p), f"prompt of {len(p)} tokens diverged"
+
+
+def test_batch_of_20_matches_transformers(model):
+    path, _, reference = model
+    batch = prompts(1)
+    assert_matches(engine_for(path).generate(batch, GREEDY), batch, reference)
+
+
+def test_matches_transformers_with_prefix_hits(model):
+    path, _, reference = model
+    engine = engine_for(path)
+    first = prompts(2)
+    engine.generate(first, GREEDY)
+    # Continue every earlier prompt: each now starts with cached full blocks.
+    second = [p + [7, 8, 9, 10, 11] * 4 for p in first]
+    outs = engine.generate(second, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [len(p) // 16 * 16 for p in first]
+    assert_matches(outs, second, reference)
+
+
+def test_matches_transformers_after_evictions(model):
+    path, _, reference = model
+    sink = ListSink()
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_blocks=24), event_sink=sink)
+    batch = prompts(3)
+    for p in batch:  # one at a time: the small pool must evict earlier prompts' blocks
+        engine.generate([p], GREEDY)
+    assert any(type(e).__name__ == "BlockRemoved" for e in sink.events)
+    outs = engine.generate(batch[:6], GREEDY)
+    assert_matches(outs, batch[:6], reference)
+
+
+def test_matches_transformers_with_chunked_prefill(model):
+    path, _, reference = model
+    engine = engine_for(path, max_num_batched_tokens=7)
+    batch = prompts(4, n=8)
+    assert_matches(engine.generate(batch, GREEDY), batch, reference)
+
+
+def test_matches_transformers_after_preemption(model):
+    path, _, reference = model
+    engine = engine_for(path, num_blocks=16, block_size=8)
+    batch = prompts(5)
+    outs = engine.generate(batch, GREEDY)
+    assert engine.stats().num_preemptions > 0
+    assert_matches(outs, batch, reference)
+    assert engine.stats().blocks_used == 0
+
+
+def test_second_request_reuses_full_blocks_of_a_finished_one(demo_path):
+    engine = engine_for(demo_path)
+    rng = random.Random(6)
+    base = [rng.randrange(4000) for _ in range(5 * 16 + 3)]
+    engine.generate([base], GREEDY)
+    before = engine.stats().computed_tokens
+    sibling = base[: 3 * 16] + [rng.randrange(4000) for _ in range(30)]
+    out = engine.generate([sibling], GREEDY)[0]
+    assert out.num_cached_tokens == 3 * 16
+    # Only the uncached 30 prompt tokens and the decode steps ran through the model.
+    assert engine.stats().computed_tokens - before == 30 + len(out.token_ids) - 1
+
+
+def test_identical_block_aligned_prompt_recomputes_its_last_block(demo_path):
+    engine = engine_for(demo_path)
+    prompt = list(range(100, 164))  # exactly 4 blocks
+    engine.generate([prompt], GREEDY)
+    assert engine.generate([prompt], GREEDY)[0].num_cached_tokens == 3 * 16
+
+
+def test_same_new_prefix_in_one_batch_is_computed_once(demo_path):
+    engine = engine_for(demo_path)
+    shared = list(range(200, 264))
+    a, b = shared + [5, 6, 7], shared + [8, 9]
+    outs = engine.generate([a, b], SamplingParams(max_tokens=1, temperature=0.0))
+    assert outs[1].num_cached_tokens == 64
+    assert engine.stats().computed_tokens == len(a) + len(b) - 64
+
+
+def test_second_tenant_gets_no_hit_on_same_prompt(demo_path):
+    sink = ListSink()
+    engine = Engine(EngineConfig(model=str(demo_path), device="cpu"), event_sink=sink)
+    prompt = list(range(300, 370))
+    engine.generate([prompt], GREEDY, tenant="acme")
+    acme_keys = {k for e in sink.drain() if isinstance(e, BlockStored) for k in e.keys}
+    out = engine.generate([prompt], GREEDY, tenant="globex")[0]
+    globex_keys = {k for e in sink.drain() if isinstance(e, BlockStored) for k in e.keys}
+    assert out.num_cached_tokens == 0
+    assert acme_keys and globex_keys and not acme_keys & globex_keys
+    stats = engine.stats().prefix_cache
+    assert stats["globex"].hit_tokens == 0 and stats["acme"].queried_tokens == len(prompt)
+
+
+def test_published_keys_equal_the_shared_hash_of_the_prompt(demo_path):
+    sink = ListSink()
+    engine = Engine(EngineConfig(model=str(demo_path), device="cpu", secret=b"s3"), event_sink=sink)
+    prompt = list(range(400, 450))
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    stored = [k for e in sink.events if isinstance(e, BlockStored) for k in e.keys]
+    from common.hashing import tenant_root_key
+
+    assert stored == block_keys(prompt, 16, tenant_root_key(b"s3", "default"))
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "empty"),
+        ([1, 2, 10**6], GREEDY, "vocabulary"),
+        ([1, -3], GREEDY, "vocabulary"),
+        ([1] * 5000, GREEDY, "context"),
+        ("hello", GREEDY, "token ids"),
+    ],
+)
+def test_bad_prompt_raises_and_engine_keeps_serving(model, prompt, params, match):
+    path, _, reference = model
+    engine = engine_for(path)
+    good = [11, 12, 13, 14, 15]
+    rid = engine.add_request(good, GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [rid]
+    assert outs[0].token_ids == reference(good)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_request_that_can_never_fit_gets_a_clear_error(demo_path):
+    engine = engine_for(demo_path, num_blocks=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request(list(range(60)), SamplingParams(max_tokens=20))
+    assert not engine.has_unfinished()

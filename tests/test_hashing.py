@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from common.hashing import block_keys, key_size, tenant_root_key
+
+TOKENS = list(range(1000, 1070))  # 4 full blocks of 16 and 6 tokens over
+
+
+def test_keys_cover_full_blocks_only():
+    root = tenant_root_key(b"secret", "acme")
+    assert len(block_keys(TOKENS, 16, root)) == 4
+    assert block_keys(TOKENS[:15], 16, root) == []
+
+
+def test_key_is_hash_of_parent_key_and_little_endian_token_ids():
+    root = tenant_root_key(b"secret", "acme")
+    keys = block_keys(TOKENS, 16, root)
+    parent = root
+    for i, key in enumerate(keys):
+        data = np.asarray(TOKENS[i * 16 : (i + 1) * 16], dtype="<u4").tobytes()
+        assert key == xxhash.xxh3_128_digest(parent + data)
+        parent = key
+    sha = block_keys(TOKENS, 16, tenant_root_key(b"secret", "acme", "sha256"), "sha256")
+    assert len(sha[0]) == key_size("sha256") == 32
+    assert sha[1] == hashlib.sha256(sha[0] + np.asarray(TOKENS[16:32], dtype="<u4").tobytes()).digest()
+
+
+def test_root_key_is_hmac_of_tenant_under_server_secret():
+    expected = hmac.new(b"secret", b"kvgrid/tenant-root/v1\x00acme", hashlib.sha256).digest()[:16]
+    assert tenant_root_key(b"secret", "acme") == expected
+    assert tenant_root_key(b"other-secret", "acme") != expected
+
+
+def test_same_block_after_a_different_prefix_gets_a_different_key():
+    root = tenant_root_key(b"s", "t")
+    a = block_keys([1] * 16 + [7] * 16, 16, root)
+    b = block_keys([2] * 16 + [7] * 16, 16, root)
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_second_tenant_gets_disjoint_keys_for_the_same_tokens():
+    a = block_keys(TOKENS, 16, tenant_root_key(b"s", "acme"))
+    b = block_keys(TOKENS, 16, tenant_root_key(b"s", "globex"))
+    assert not set(a) & set(b)
+
+
+def test_incremental_hashing_continues_the_chain():
+    root = tenant_root_key(b"s", "t")
+    full = block_keys(TOKENS, 16, root)
+    assert block_keys(TOKENS, 16, full[1], start_block=2) == full[2:]
+
+
+def test_keys_do_not_depend_on_the_process_or_hash_seed():
+    code = (
+        "from common.hashing import block_keys, tenant_root_key;"
+        "print(block_keys(list(range(1000, 1070)), 16, tenant_root_key(b'secret', 'acme'))[-1].hex())"
+    )
+    seen = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        seen.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert seen == {block_keys(TOKENS, 16, tenant_root_key(b"secret", "acme"))[-1].hex() + "\n"}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: tenant_root_key(b"", "acme"),
+        lambda: tenant_root_key(b"s", ""),
+        lambda: tenant_root_key(b"s", "acme", "md5"),
+        lambda: block_keys([1, 2], 0, b"x"),
+        lambda: block_keys([-1] * 16, 16, b"x"),
+    ],
+)
+def test_bad_arguments_raise_value_error(call):
+    with pytest.raises(ValueError):
+        call()
