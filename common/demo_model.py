@@ -57,14 +57,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-# Init scales, relative to 1/sqrt(fan_in). Larger q/k gains sharpen attention and larger output gains let the
-# attention and MLP blocks outweigh the token embedding in the residual stream, so the next token depends on the
-# context and not only on the current token. _LOGIT_STD sets how peaky the output distribution is.
-_QK_GAIN = 2.0
-_ATTN_OUT_GAIN = 2.0
-_MLP_OUT_GAIN = 2.0
-_BIAS_STD = 0.5
+# Spread of the random next-token logits; sets how peaky the output distribution is.
 _LOGIT_STD = 8.0
+_BIAS_STD = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,6 +79,13 @@ class _Spec:
     max_positions: int
     rms_norm_eps: float
     extra_config: dict[str, Any]
+    # Init scales, relative to 1/sqrt(fan_in). Sharper attention (qk_gain) makes the output depend more on the
+    # context but also on float rounding, so it stays low. The MLP output gain lets each token's own features,
+    # rather than its raw embedding or a blurred average of the context, drive the next prediction: with tied
+    # embeddings a residual stream dominated by the input embedding makes greedy decoding repeat tokens.
+    qk_gain: float
+    attn_out_gain: float
+    mlp_out_gain: float
 
 
 _SPECS = {
@@ -109,6 +111,9 @@ _SPECS = {
         max_positions=4096,
         rms_norm_eps=1e-5,
         extra_config={"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0},
+        qk_gain=1.0,
+        attn_out_gain=2.0,
+        mlp_out_gain=4.0,
     ),
     "qwen2": _Spec(
         architecture="Qwen2ForCausalLM",
@@ -132,15 +137,17 @@ _SPECS = {
             "max_window_layers": 2,
             "attention_dropout": 0.0,
         },
+        qk_gain=1.5,
+        attn_out_gain=2.0,
+        mlp_out_gain=24.0,
     ),
 }
 
 
 def _spec(variant: str) -> _Spec:
-    try:
-        return _SPECS[variant]
-    except KeyError:
-        raise ValueError(f"unknown demo model variant {variant!r}; expected one of {', '.join(DEMO_VARIANTS)}") from None
+    if variant not in _SPECS:
+        raise ValueError(f"unknown demo model variant {variant!r}; expected one of: {', '.join(DEMO_VARIANTS)}")
+    return _SPECS[variant]
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,19 +194,19 @@ def _state_dict(spec: _Spec, vocab_size: int, seed: int) -> dict[str, torch.Tens
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = ones(h)
-        tensors[p + "self_attn.q_proj.weight"] = _uniform(gen, (q_dim, h), _QK_GAIN / math.sqrt(h))
-        tensors[p + "self_attn.k_proj.weight"] = _uniform(gen, (kv_dim, h), _QK_GAIN / math.sqrt(h))
+        tensors[p + "self_attn.q_proj.weight"] = _uniform(gen, (q_dim, h), spec.qk_gain / math.sqrt(h))
+        tensors[p + "self_attn.k_proj.weight"] = _uniform(gen, (kv_dim, h), spec.qk_gain / math.sqrt(h))
         tensors[p + "self_attn.v_proj.weight"] = _uniform(gen, (kv_dim, h), 1.0 / math.sqrt(h))
         if spec.qkv_bias:
             tensors[p + "self_attn.q_proj.bias"] = _uniform(gen, (q_dim,), _BIAS_STD)
             tensors[p + "self_attn.k_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
             tensors[p + "self_attn.v_proj.bias"] = _uniform(gen, (kv_dim,), _BIAS_STD)
-        tensors[p + "self_attn.o_proj.weight"] = _uniform(gen, (h, q_dim), _ATTN_OUT_GAIN / math.sqrt(q_dim))
+        tensors[p + "self_attn.o_proj.weight"] = _uniform(gen, (h, q_dim), spec.attn_out_gain / math.sqrt(q_dim))
         tensors[p + "post_attention_layernorm.weight"] = ones(h)
         tensors[p + "mlp.gate_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
         tensors[p + "mlp.up_proj.weight"] = _uniform(gen, (spec.intermediate, h), 1.0 / math.sqrt(h))
         tensors[p + "mlp.down_proj.weight"] = _uniform(
-            gen, (h, spec.intermediate), _MLP_OUT_GAIN / math.sqrt(spec.intermediate)
+            gen, (h, spec.intermediate), spec.mlp_out_gain / math.sqrt(spec.intermediate)
         )
     tensors["model.norm.weight"] = ones(h)
     if spec.tie_embeddings:

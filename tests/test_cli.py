@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from transformers import AutoConfig
+
+
+def kvgrid(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_demo_model_command_writes_a_loadable_folder(tmp_path):
+    out = kvgrid("demo-model", str(tmp_path / "m"), "--variant", "qwen2")
+    assert out.returncode == 0, out.stderr
+    cfg = AutoConfig.from_pretrained(str(tmp_path / "m"))
+    assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
+
+
+def test_generate_reports_the_shared_prefix_as_cached(demo_path):
+    out = kvgrid("generate", "--model", str(demo_path), "--max-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    found = re.findall(r"prompt: (\d+) tokens, (\d+) from the prefix cache", out.stdout)
+    assert len(found) == 2
+    (n1, c1), (n2, c2) = [(int(a), int(b)) for a, b in found]
+    assert c1 == 0
+    assert c2 >= 160 and c2 % 16 == 0 and c2 < n2
+    assert out.stdout.count("time to first token") == 2
+
+
+def test_bad_model_path_exits_2_with_a_message(tmp_path):
+    out = kvgrid("generate", "--model", str(tmp_path / "missing"))
+    assert out.returncode == 2
+    assert "kvgrid: error:" in out.stderr and "missing" in out.stderr
