@@ -131,6 +131,69 @@ _FUNCS = [
     "allocate", "free", "lookup", "insert", "evict", "schedule", "forward", "decode", "encode", "hash_block",
     "route", "load_config", "sample", "step", "flush", "merge", "split", "normalize", "softmax", "matmul",
 ]
+# A broad everyday vocabulary, so that whole common words (with and without a leading space) earn their own tokens.
+_WORDS = """
+about above absent accept account across action active actual address admit adult advice afford afraid after
+afternoon again against agency agenda agree ahead airport alarm album alive allow almost alone along already
+although always amazing among amount ancient anger angle animal answer anxious anyone anything apart appear
+approach approve argue arrive article artist aside asleep attach attempt attend attract audience author autumn
+average avoid awake award aware backward balance balcony banana bandwidth basket battery beach beautiful become
+bedroom before begin behave behind belief believe belong below benefit beside better between beyond bicycle
+billion biology birthday blanket blossom border borrow bottle bottom branch brave breakfast breath brick brief
+bright bring broken brother brush bucket budget buffer build burden butter button cabinet cable calendar camera
+campus candle canvas capable capital captain carbon career careful carpet carrot castle casual catalog ceiling
+celebrate center century certain chair chalk challenge chamber champion change channel chapter charge charity
+cheap cheese cherry chicken chimney choice choose church circle citizen civil claim classic climate climb clinic
+clock close clothes cloudy coast coffee collect college colony column combine comfort command comment common
+company compare compile complex compute concert confirm connect consider contain content context continue
+control convert copper corner correct cotton couch country couple courage course cousin cover craft crash
+create credit crisis cross crowd crystal culture cupboard curious current curtain cushion custom cycle damage
+dance danger daughter debate decade decide declare decline deeply default defend define degree delay deliver
+demand depend deploy deposit depth derive design desert desire detail detect develop device dialog diamond
+diary differ digital dinner direct discover discuss disease display distance divide doctor domain double
+dragon drama drawer dream dress drift driver during dynamic eager early earth easily eastern economy edition
+editor effect effort eight either elbow elder electric element eleven elegant emerge emotion empire employ
+enable energy engage enjoy enormous enough ensure entire entry envelope episode equal escape essay estate
+evening event evidence exact example excite exercise exhibit expand expect expert explain explore export
+express extend extra fabric factor factory failure fairly family famous farmer fashion father feature federal
+feeling fellow fence festival fiction field fifteen figure filter final finance finger finish fiscal flavor
+flight float flower follow forest forget formal format fortune forward fossil foster fountain fourteen fraction
+frame freedom freeze friend frozen fruit future galaxy gallery garage garlic gather general gentle genuine
+gesture giant ginger glance global glory govern gradual grammar grandmother granite graph gravity great grocery
+ground growth guitar habit hammer handle happen harbor hardware harvest health healthy height helmet hidden
+highway history hobby holiday hollow honest horizon hospital hotel hundred hunger husband ignore image immune
+impact import improve include income indeed index indicate indoor infant inform initial injury inner insect
+inside install instance instead integer intend interest invite island itself jacket journal journey judge
+juice jungle justice kettle keyboard kidney kitchen knife ladder language laptop latency launch lawyer leader
+league lecture legal lemon length lesson letter level liberty library license limit liquid listen little
+lively lobster local lonely lottery loyal luggage lunch machine magnet maintain manage mango manual marble
+margin market master matrix matter meadow measure medium melody member memory mention merchant message metal
+method middle midnight million mineral minute mirror mission mistake mixture mobile modern moment monitor
+monkey month morning mother motion mountain muscle museum music mystery narrow nation native nature nearby
+needle negative nephew network neutral never nickel nineteen noble normal notable notice novel number object
+obtain ocean october offer office olive online option orange orbit orchard ordinary organ origin outcome outdoor
+output oxygen package paddle palace panel paper parade parent parrot partner patience pattern payment peanut
+pencil people pepper perfect perhaps permit person phrase physics piano picnic picture pillow pilot planet
+plastic platform pleasant plenty pocket poetry police polite portion positive potato powder practice praise
+predict prefer present pretty prevent price primary prince printer priority private problem process produce
+profile program project promise proper protect proud provide public pumpkin puppy purple puzzle quality quarter
+question quick rabbit radio random rapid rather reach ready reason recall receive recipe record reduce reflect
+region regular relax release remain remote remove repeat replace report rescue resource respond result retire
+return reveal review reward rhythm ribbon rifle ripple ritual rocket rubber ruler runway saddle safety salad
+salmon sample sandwich satisfy sauce scatter scheme school science scissors screen script season second secret
+section select senior sensor series service session settle seven shadow shallow shelter shoulder shrimp signal
+silent silver similar simple single sister sketch skill slender slogan smooth snack social socket soldier
+solid someone source spatial special spider spirit splendid sponsor spring square stable stadium station
+status steady stomach storage strategy street strong student studio submit subway sudden sugar summer sunset
+supply support surface surprise switch symbol system tablet talent target teacher temple tennis thermal
+thirteen thousand thunder ticket timber tissue title toast today together tomorrow tongue topic tornado
+tourist tower traffic travel treasure triangle trouble trumpet tunnel turkey twelve twenty umbrella uncle
+under unfold uniform unique update upgrade useful usual vacuum valley valve vanilla velvet vendor verify
+version vessel victory village vintage violin virtual visual vitamin volume voyage wagon wallet walnut wander
+warrior weekend welcome western whisper window winter wisdom witness wonder wooden worker worry yellow yesterday
+young zebra
+""".split()
+
 _SYLLABLES = [
     "ka", "lo", "mir", "ta", "ven", "sho", "ri", "dan", "el", "qua", "bre", "no", "xi", "tor", "um", "pha",
     "gel", "sa", "vi", "ond", "ret", "zu", "ham", "ly", "cor", "ine", "bau", "fen", "ost", "wy",
@@ -138,12 +201,13 @@ _SYLLABLES = [
 _LEVELS = ["DEBUG", "INFO", "INFO", "INFO", "WARNING", "ERROR"]
 _SYMBOLS = ["+", "-", "*", "//", "%"]
 
-# About 380 KB in all: large enough that 4k BPE merges are learned from real repetition, small enough to train in well
+# About 410 KB in all: enough that all 4k BPE merges are of pairs seen at least twice, small enough to train in well
 # under a second.
-_N_SENTENCE_DOCS = 900
+_N_SENTENCE_DOCS = 600
 _N_CODE_DOCS = 300
 _N_LOG_DOCS = 200
 _N_NUMBER_DOCS = 200
+_N_WORD_DOCS = 800
 
 
 def _made_up_word(rng: random.Random) -> str:
@@ -188,6 +252,15 @@ def _sentence(rng: random.Random) -> str:
         )
     end = "?" if kind == 4 else rng.choice([".", ".", ".", "!", ";"])
     return text[0].upper() + text[1:] + end
+
+
+def _word_doc(rng: random.Random) -> str:
+    # Loose, list-like text: each word appears often enough, in varied company, to be merged whole.
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 20))]
+    if rng.random() < 0.3:
+        words[0] = words[0].capitalize()
+        return " ".join(words) + "."
+    return f"{rng.choice(['Notes', 'Keywords', 'Tags', 'Shopping list', 'Topics'])}: " + ", ".join(words) + "."
 
 
 def _sentence_doc(rng: random.Random) -> str:
@@ -247,7 +320,7 @@ def _number_doc(rng: random.Random) -> str:
 
 
 def demo_corpus() -> list[str]:
-    """Return the demo tokenizer's training corpus: one string per document, about 380 KB of UTF-8 in total.
+    """Return the demo tokenizer's training corpus: one string per document, about 410 KB of UTF-8 in total.
 
     The result is identical on every machine and CPython 3.11 patch release, so a tokenizer trained on it (with a
     deterministic trainer) is too.
@@ -258,5 +331,6 @@ def demo_corpus() -> list[str]:
     docs += [_code_doc(rng) for _ in range(_N_CODE_DOCS)]
     docs += [_log_doc(rng) for _ in range(_N_LOG_DOCS)]
     docs += [_number_doc(rng) for _ in range(_N_NUMBER_DOCS)]
+    docs += [_word_doc(rng) for _ in range(_N_WORD_DOCS)]
     # The prose is the only natural text, so repeat it enough for its vocabulary to earn merges too.
     return docs + list(_PROSE) * 4

@@ -1,11 +1,14 @@
 """A tiny, deterministic, randomly initialised Hugging Face model for tests, demos and benchmarks.
 
 ``write_demo_model`` writes a complete model folder (config, generation config, safetensors weights, a byte-level BPE
-tokenizer with a ChatML chat template) that loads unchanged in transformers and vLLM. ``resolve_model`` maps the names
-``demo`` / ``demo:<variant>`` to a cached copy of such a folder, and anything else to an existing model folder.
+tokenizer with a ChatML chat template) in the classic layout that transformers 4.x/5.x and vLLM read unchanged.
+``resolve_model`` maps the names ``demo`` / ``demo:<variant>`` to a cached copy of such a folder, and anything else to
+an existing model folder.
 
-The weights are random but "peaky": greedy next-token logits have a clear winner (median top-1/top-2 gap of several
-units), so two correct implementations that differ only in float rounding pick the same tokens.
+The weights are random but "peaky": greedy next-token logits usually have a clear winner (median top-1/top-2 gap about
+1.5), so two correct implementations that differ only in float rounding pick the same tokens. Being random, the model
+can emit any token, EOS and the chat markers included (EOS is the greedy choice at roughly 1 step in 8000 for llama
+and 1 in 700 for qwen2), so tests that need an exact output length should ignore EOS.
 
 The tokenizer never adds special tokens on its own: ``tokenizer("hi")`` is just the BPE pieces of ``"hi"``, and
 ``<|begin_of_text|>`` appears only where a caller puts it. The chat template does not add it either.
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common.demo_corpus import demo_corpus
 
@@ -42,6 +45,11 @@ DEMO_VARIANTS = ("llama", "qwen2")
 # Part of the cache folder name: bump it whenever the files written here change, so stale caches are not reused.
 _FORMAT_VERSION = 1
 _TARGET_VOCAB_SIZE = 4096
+# Qwen2's split (the one transformers' Qwen2Tokenizer hard-codes): words, single digits, punctuation runs, whitespace.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # ChatML. String content is written as is; a list of OpenAI-style content parts contributes its text parts.
 CHAT_TEMPLATE = (
@@ -153,11 +161,22 @@ def _spec(variant: str) -> _Spec:
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     # Cached as a string, not a Tokenizer, so no caller can mutate the shared copy.
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix=""))
+    # transformers 5 ignores tokenizer_class for model_type qwen2 and rebuilds the pipeline as Qwen2Tokenizer does
+    # (this split, then byte-level without its own regex), so use exactly that for both variants: every loader
+    # then tokenizes alike. There is no normalizer, so any string round-trips; Qwen2Tokenizer adds NFC, which
+    # only matters for text that is not already NFC.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     # An explicit no-op template, so readers that honour tokenizer.json's post-processor add no BOS either.
     tokenizer.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    # The BPE trainer breaks count ties by pair order, so training is deterministic (the tests retrain in a fresh
+    # process and compare bytes). min_frequency=2: every merge is of a pair the corpus really repeats.
     trainer = trainers.BpeTrainer(
         vocab_size=_TARGET_VOCAB_SIZE,
         min_frequency=2,
@@ -210,8 +229,8 @@ def _state_dict(spec: _Spec, vocab_size: int, seed: int) -> dict[str, torch.Tens
         )
     tensors["model.norm.weight"] = ones(h)
     if spec.tie_embeddings:
-        # The tied head is the embedding itself, so scale the embedding to give the logits their spread. Hidden
-        # states are RMS-normalised first, so a larger embedding does not change the layers' relative scales.
+        # The tied head is the embedding itself, so the logit spread fixes the embedding scale (mlp_out_gain is
+        # tuned against it). The layers see RMS-normalised inputs, so only the residual mix depends on it.
         tensors["model.embed_tokens.weight"] *= _LOGIT_STD / math.sqrt(h)
     else:
         tensors["lm_head.weight"] = _uniform(gen, (vocab_size, h), _LOGIT_STD / math.sqrt(h))
@@ -285,6 +304,8 @@ def write_demo_model(out_dir: str | os.PathLike[str], variant: str = "llama", se
         {
             **special,
             "tokenizer_class": "PreTrainedTokenizerFast",
+            # Without this, Qwen2Tokenizer (see above) would add its own <|endoftext|> unk token past the vocab.
+            "unk_token": None,
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,8 @@ class AttentionMetadata:
     # Host copies, for backends that loop or split on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step values a backend derives once and reuses in every layer (masks, index tensors).
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

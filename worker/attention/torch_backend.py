@@ -22,27 +22,36 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
-        if len(decode) > 1:
+        if decode:
             self._decode(q, k_cache, v_cache, md, scale, decode, out)
-            decode_set = set(decode)
-        else:
-            decode_set = set()
         block_size = k_cache.shape[1]
         for i, (qlen, slen) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-            if i in decode_set:
+            if qlen == 1:
                 continue
             start = int(md.query_start_loc[i])
             blocks = md.block_tables[i, : -(-slen // block_size)]
             k = k_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)  # [kv_heads, slen, d]
             v = v_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)
             qi = q[start : start + qlen].transpose(0, 1)  # [heads, qlen, d]
-            # Query j sits at position slen - qlen + j and sees keys 0 .. that position.
-            mask = torch.ones(qlen, slen, dtype=torch.bool, device=q.device).tril(slen - qlen)
-            o = F.scaled_dot_product_attention(
-                qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            if qlen == slen:  # no prefix: plain causal attention
+                o = F.scaled_dot_product_attention(
+                    qi, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                o = F.scaled_dot_product_attention(
+                    qi, k.to(q.dtype), v.to(q.dtype), attn_mask=self._mask(md, qlen, slen, q.device),
+                    scale=scale, enable_gqa=True,
+                )
             out[start : start + qlen] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _mask(md: AttentionMetadata, qlen: int, slen: int, device: torch.device) -> torch.Tensor:
+        """Query j sits at position slen - qlen + j and sees keys 0 .. that position (built once per step)."""
+        key = f"mask{qlen}x{slen}"
+        if key not in md.scratch:
+            md.scratch[key] = torch.ones(qlen, slen, dtype=torch.bool, device=device).tril(slen - qlen)
+        return md.scratch[key]
 
     @staticmethod
     def _decode(
@@ -56,16 +65,17 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         """One query token per sequence, batched: pad every context to the longest and mask the rest."""
         block_size, kv_heads, d = k_cache.shape[1:]
-        idx = torch.tensor(rows, device=q.device)
-        lens = md.seq_lens[idx]
-        max_len = max(md.seq_lens_cpu[i] for i in rows)
-        tables = md.block_tables[idx, : -(-max_len // block_size)]
-        k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, L, kv_heads, d]
-        v = v_cache[tables].flatten(1, 2).to(q.dtype)
-        tok = md.query_start_loc[idx].long()
+        if "decode" not in md.scratch:
+            idx = torch.tensor(rows, device=q.device)
+            max_len = max(md.seq_lens_cpu[i] for i in rows)
+            tables = md.block_tables[idx, : -(-max_len // block_size)]
+            pad = torch.arange(tables.shape[1] * block_size, device=q.device)[None, :] >= md.seq_lens[idx][:, None]
+            md.scratch["decode"] = (tables, md.query_start_loc[idx].long(), pad[:, None, None, :])
+        tables, tok, pad = md.scratch["decode"]
+        k = k_cache[tables].flatten(1, 2)  # [B, L, kv_heads, d]
+        v = v_cache[tables].flatten(1, 2)
         qb = q[tok].view(len(rows), kv_heads, -1, d)  # [B, kv_heads, group, d]
         scores = torch.einsum("bkgd,blkd->bkgl", qb.float(), k.float()) * scale
-        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores.masked_fill_(pad, float("-inf"))
         o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v.float())
         out[tok] = o.reshape(len(rows), -1, d).to(out.dtype)
