@@ -10,6 +10,10 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU through the interpreter; it must be chosen before any kernel module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
