@@ -83,6 +83,7 @@ def paged_attention(
         md.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=_p2(head_dim), PAGE=page,
         BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=splits, FP32_DOT=fp32_dot,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32",
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, heads)](

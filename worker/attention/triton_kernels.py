@@ -8,7 +8,8 @@ and a tile of query tokens together with all the query heads that share that KV 
 is loaded once per group. For long contexts and few sequences, ``num_splits > 1`` cuts the keys into
 independent ranges whose partial results are merged by log-sum-exp (flash-decoding).
 
-Under ``TRITON_INTERPRET=1`` (CPU) bf16 dots are computed wrongly, so ``FP32_DOT`` casts operands first.
+Under ``TRITON_INTERPRET=1`` (CPU) bf16 dots are computed wrongly, so ``FP32_DOT`` casts operands first; fp32
+inputs use IEEE dots (Triton's default for fp32 on GPUs is TF32, too coarse for an fp32 model).
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     q_tile = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int64) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -90,7 +92,8 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(block_tables_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+        # int64: block * stride overflows int32 once a layer's cache passes 2**31 elements.
+        page = tl.load(block_tables_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         k = tl.load(
             k_cache_ptr + (page * stride_kb + (n % PAGE) * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
             mask=n_ok[None, :] & d_ok[:, None], other=0.0,
@@ -102,14 +105,14 @@ def _paged_attention_kernel(
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, k) * scale
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key here yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
