@@ -1,9 +1,45 @@
-"""Tensor-parallel communication. With no process group (one rank) every collective is the identity."""
+"""Tensor-parallel communication. With no process group (one rank) every collective is the identity.
+
+A group's ranks share one default process group (NCCL on CUDA, gloo on CPU). Rank 0 also sends each step's
+plan, a picklable object, to the others over a gloo group (objects travel on the CPU whatever the device).
+"""
 
 from __future__ import annotations
 
+import datetime
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+_plan_group: Any = None
+
+
+def init_tensor_parallel(rank: int, world: int, init_method: str, backend: str, timeout_s: float = 120.0) -> None:
+    """Join this process to its group. A dead peer fails collectives after at most ``timeout_s``."""
+    global _plan_group
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    _plan_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def send_plan(plan: object) -> None:
+    if tp_size() > 1:
+        dist.broadcast_object_list([plan], src=0, group=_plan_group)
+
+
+def recv_plan() -> Any:
+    buf: list[Any] = [None]
+    dist.broadcast_object_list(buf, src=0, group=_plan_group)
+    return buf[0]
+
+
+def all_reduce_min(value: int) -> int:
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_plan_group)
+    return int(t.item())
 
 
 def tp_size() -> int:

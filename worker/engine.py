@@ -81,22 +81,36 @@ class EngineStats:
     prefix_cache: dict[str, PrefixCacheStats]
 
 
+def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES[mcfg.torch_dtype] if mcfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
+
+
+def build_runner(config: EngineConfig) -> ModelRunner:
+    """Load this rank's shard of the model and allocate its KV cache (every rank of a group calls this)."""
+    mcfg = ModelConfig.from_folder(resolve_model(config.model))
+    dev = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(dev)
+    dtype = _pick_dtype(config.dtype, mcfg, device)
+    backend = get_backend(config.attention_backend, device.type)
+    runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
+    runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
+    return runner
+
+
 class Engine:
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.model_config = mcfg = ModelConfig.from_folder(self.model_path)
-        dev = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
-        self.dtype = self._pick_dtype(config.dtype, mcfg, self.device)
+        self.runner = build_runner(config)
+        self.model_config = mcfg = self.runner.mcfg
+        self.model_path = mcfg.path
+        self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.model_path)
-        backend = get_backend(config.attention_backend, self.device.type)
-        self.runner = ModelRunner(mcfg, self.device, self.dtype, config.block_size, backend)
-        num_blocks = self.runner.allocate_kv_cache(
-            config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization
-        )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.hash_algo, event_sink)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.hash_algo, event_sink)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
@@ -105,17 +119,9 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
-    @staticmethod
-    def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
-        if name != "auto":
-            return _DTYPES[name]
-        if device.type == "cpu":
-            return torch.float32
-        return _DTYPES.get(mcfg.torch_dtype) if mcfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
-
     @property
     def num_blocks(self) -> int:
-        return self.kv.pool.num_blocks
+        return self.runner.num_blocks
 
     def root_key(self, tenant: str) -> bytes:
         """The tenant's root key (server side only: never sent to a client)."""
