@@ -1,0 +1,114 @@
+"""Tensor-parallel worker groups on a real local Ray (loopback only), gloo between the ranks."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from worker.engine import Engine, EngineConfig
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 * 2**20,
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group2(ray_local, demo_path):
+    from worker.group import GroupConfig, WorkerGroup
+
+    group = WorkerGroup(GroupConfig("g-tp2", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), tp=2))
+    yield group
+    group.shutdown()
+
+
+def test_ray_and_the_group_rendezvous_stay_on_loopback(group2, ray_local):
+    assert {n["NodeManagerAddress"] for n in ray_local.nodes()} == {"127.0.0.1"}
+    addr = ray_local.get(group2.leader.address.remote())
+    assert addr.startswith("tcp://127.0.0.1:")
+
+
+def test_tp2_matches_tp1_and_transformers_with_prefix_hits(group2, demo_path):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(11)
+    shared = [rng.randrange(4000) for _ in range(40)]
+    prompts = [shared + [rng.randrange(4000) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    tp2 = [group2.generate(p, GREEDY) for p in prompts]  # one after the other: later ones hit
+    assert [o.num_cached_tokens for o in tp2] == [0, 32, 32, 32]
+    tp1 = Engine(EngineConfig(model=str(demo_path), device="cpu")).generate(prompts, GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(str(demo_path), dtype=torch.float32).eval()
+    for p, a, b in zip(prompts, tp2, tp1):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(p) :]
+        assert a.token_ids == b.token_ids == ref.tolist()
+
+
+def test_each_rank_holds_only_its_share_of_kv_heads(group2, demo_path):
+    single = Engine(EngineConfig(model=str(demo_path), device="cpu")).runner.kv_cache
+    assert single.shape[4] == 2  # the demo model has 2 KV heads
+    per_block_tp1 = single.numel() * single.element_size() // single.shape[2]
+    blocks = {info["kv_shape"][2] for info in group2.rank_info}
+    assert len(blocks) == 1  # every rank holds the same blocks
+    for info in group2.rank_info:
+        assert info["kv_shape"][4] == 1
+        assert info["kv_bytes"] // info["kv_shape"][2] * 2 == per_block_tp1
+
+
+def test_group_reports_load_and_kv_events(group2):
+    group2.drain_events()
+    prompt = list(range(900, 940))
+    group2.generate(prompt, GREEDY, tenant="acme")
+    stored = [k for e in group2.drain_events() if type(e).__name__ == "BlockStored" for k in e.keys]
+    assert len(stored) >= 2
+    stats = group2.stats()
+    assert stats.running == 0 and stats.blocks_cached >= 2 and stats.prefix_cache["acme"].queried_tokens == 40
+
+
+def test_bad_request_is_a_value_error_and_the_group_stays_healthy(group2):
+    with pytest.raises(ValueError, match="empty"):
+        group2.generate([], GREEDY)
+    assert group2.health() is None
+
+
+def test_killed_rank_fails_inflight_requests_and_a_restart_serves_again(ray_local, demo_path):
+    from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
+
+    group = WorkerGroup(GroupConfig("g-kill", EngineConfig(model=str(demo_path), device="cpu"), tp=2))
+    try:
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = group.stream(list(range(10, 30)), long)
+        next(stream)  # the request is running
+        ray_local.kill(group.ranks[1])
+        deadline = time.monotonic() + 60
+        while group.health() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group.health() is not None
+        with pytest.raises(GroupUnhealthyError):
+            for _ in stream:
+                pass
+        with pytest.raises(GroupUnhealthyError):
+            group.generate([1, 2, 3], GREEDY)
+        group.restart()
+        assert group.health() is None
+        assert len(group.generate([1, 2, 3], GREEDY).token_ids) >= 1
+    finally:
+        group.shutdown()

@@ -1,0 +1,296 @@
+"""A worker group: ``tp`` Ray actors in one STRICT_PACK placement group that serve as one engine.
+
+Rank 0 (the leader) owns the scheduler, the block pool and the key map and runs the engine; each step it
+broadcasts the step's plan and every rank computes its shard of the model (``torch.distributed``: NCCL on CUDA,
+gloo on CPU). The router talks to the group through ``WorkerGroup``: stream a request's outputs, abort it,
+read the group's load and drain its KV events. If any rank dies the group turns unhealthy, fails its in-flight
+requests with ``GroupUnhealthyError``, and ``restart()`` brings it back as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from common.events import KVEvent, ListSink
+from common.outputs import RequestOutput
+from common.sampling import SamplingParams
+from worker.engine import Engine, EngineConfig, EngineStats, build_runner
+
+
+class GroupUnhealthyError(RuntimeError):
+    """The group lost a rank (or its leader failed); its requests fail and it must be restarted."""
+
+
+@dataclass
+class GroupConfig:
+    name: str
+    engine: EngineConfig
+    tp: int = 1
+    use_gpu: bool = False  # one GPU per rank (NCCL); otherwise CPU bundles (gloo)
+    start_timeout_s: float = 300.0
+
+
+class RankActor:
+    """One rank of a group. Rank 0 runs the engine; the others follow its step plans."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.engine: Engine | None = None
+        self.events = ListSink()
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake: asyncio.Event | None = None
+
+    def address(self) -> str:
+        """A free TCP address on this node for the group's rendezvous (asked of rank 0 only)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return f"tcp://{ip}:{s.getsockname()[1]}"
+
+    def setup(self, config: EngineConfig, init_method: str, backend: str) -> dict:
+        from worker.distributed import init_tensor_parallel
+
+        if self.world > 1:
+            init_tensor_parallel(self.rank, self.world, init_method, backend)
+        if self.rank == 0:
+            self.engine = Engine(config, event_sink=self.events)
+            runner = self.engine.runner
+        else:
+            runner = self.runner = build_runner(config)
+        kv = runner.kv_cache
+        return {"rank": self.rank, "kv_shape": list(kv.shape), "kv_bytes": kv.numel() * kv.element_size()}
+
+    def follow(self) -> None:
+        """Ranks > 0: compute every plan rank 0 broadcasts, until it says stop (or the group breaks)."""
+        self.runner.follow()
+
+    # -- rank 0 ------------------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, tenant: str, request_id: str | None
+    ) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise GroupUnhealthyError(self.error)
+        assert self.engine is not None, "generate() goes to rank 0"
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._step_loop())
+        with self._lock:
+            rid = self.engine.add_request(prompt, params, tenant, request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self.error is None:
+                with self._lock:
+                    self.engine.abort(rid)
+
+    def _step(self) -> list[RequestOutput]:
+        assert self.engine is not None
+        with self._lock:
+            return self.engine.step()
+
+    async def _step_loop(self) -> None:
+        assert self.engine is not None and self._wake is not None
+        while self.error is None:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outs = await asyncio.to_thread(self._step)
+            except Exception as exc:  # a collective failed: a peer rank is gone
+                self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
+                return
+            for out in outs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Fail every in-flight request; later requests are refused until the group is restarted."""
+        if self.error is None:
+            self.error = reason
+        for queue in self._queues.values():
+            queue.put_nowait(GroupUnhealthyError(self.error))
+
+    def abort(self, request_id: str) -> bool:
+        assert self.engine is not None
+        with self._lock:
+            return self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        assert self.engine is not None
+        return self.engine.stats()
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.events.drain()
+
+    def health(self) -> str | None:
+        """None when healthy, else the reason the group failed."""
+        return self.error
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to stop following (they return from ``follow``)."""
+        from worker.distributed import send_plan
+
+        if self.error is None and self.world > 1:
+            with self._lock:
+                send_plan(None)
+
+
+class WorkerGroup:
+    """Driver-side handle of one group (what the router holds)."""
+
+    def __init__(self, config: GroupConfig) -> None:
+        self.config = config
+        self.ranks: list = []
+        self.rank_info: list[dict] = []
+        self._pg = None
+        self._follows: list = []
+        self.start()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def leader(self):
+        return self.ranks[0]
+
+    def start(self) -> None:
+        cfg = self.config
+        per_rank = {"GPU": 1, "CPU": 1} if cfg.use_gpu else {"CPU": 1}
+        self._pg = placement_group([per_rank] * cfg.tp, strategy="STRICT_PACK", name=f"kvgrid-{cfg.name}")
+        ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
+        actor = ray.remote(RankActor)
+        self.ranks = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if cfg.use_gpu else 0,
+                name=f"kvgrid-{cfg.name}-rank{r}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+            ).remote(r, cfg.tp)
+            for r in range(cfg.tp)
+        ]
+        init_method = ray.get(self.leader.address.remote(), timeout=cfg.start_timeout_s)
+        backend = "nccl" if cfg.use_gpu else "gloo"
+        self.rank_info = ray.get(
+            [a.setup.remote(cfg.engine, init_method, backend) for a in self.ranks], timeout=cfg.start_timeout_s
+        )
+        self._follows = [a.follow.remote() for a in self.ranks[1:]]
+
+    def health(self) -> str | None:
+        """None when every rank is alive and the leader reports no failure, else the reason."""
+        done, _ = ray.wait(self._follows, num_returns=len(self._follows), timeout=0) if self._follows else ([], [])
+        for ref in done:  # a follower only returns early when its rank died or the group broke
+            reason = f"rank {self._follows.index(ref) + 1} stopped"
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                reason = f"rank {self._follows.index(ref) + 1} died: {type(exc).__name__}"
+            self._tell_leader(reason)
+            return reason
+        try:
+            return ray.get(self.leader.health.remote(), timeout=30)
+        except (RayActorError, RayTaskError) as exc:
+            return f"rank 0 died: {type(exc).__name__}"
+
+    def _tell_leader(self, reason: str) -> None:
+        try:
+            ray.get(self.leader.mark_unhealthy.remote(reason), timeout=30)
+        except (RayActorError, RayTaskError):
+            pass
+
+    def stream(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        tenant: str = "default",
+        request_id: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Outputs of one request as the group produces them (blocking iterator)."""
+        gen = self.leader.generate.remote(list(prompt), params or SamplingParams(), tenant, request_id)
+        for ref in gen:
+            yield self._unwrap(lambda: ray.get(ref))
+
+    async def astream(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        tenant: str = "default",
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the group produces them (for the router's event loop)."""
+        gen = self.leader.generate.remote(list(prompt), params or SamplingParams(), tenant, request_id)
+        async for ref in gen:
+            try:
+                yield await ref
+            except (RayActorError, RayTaskError) as exc:
+                raise self._translate(exc) from exc
+
+    def _unwrap(self, get):
+        try:
+            return get()
+        except (RayActorError, RayTaskError) as exc:
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: Exception) -> Exception:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, (GroupUnhealthyError, ValueError)):
+            return cause
+        return GroupUnhealthyError(f"worker group {self.name!r} failed: {type(exc).__name__}")
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, tenant: str = "default") -> RequestOutput:
+        """Run one request to completion."""
+        out = None
+        for out in self.stream(prompt, params, tenant):
+            pass
+        assert out is not None
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        return self._unwrap(lambda: ray.get(self.leader.abort.remote(request_id)))
+
+    def stats(self) -> EngineStats:
+        return self._unwrap(lambda: ray.get(self.leader.stats.remote()))
+
+    def drain_events(self) -> list[KVEvent]:
+        return self._unwrap(lambda: ray.get(self.leader.drain_events.remote()))
+
+    def shutdown(self) -> None:
+        """Stop every rank and free the placement group."""
+        try:
+            ray.get(self.leader.shutdown.remote(), timeout=10)
+        except Exception:  # the group may already be broken; killing below is what matters
+            pass
+        for a in self.ranks:
+            ray.kill(a)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        self.ranks, self._follows, self._pg = [], [], None
+
+    def restart(self) -> None:
+        """Replace the whole group (all ranks) with fresh actors; its cache starts empty."""
+        self.shutdown()
+        self.start()
