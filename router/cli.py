@@ -68,6 +68,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_tp(args: argparse.Namespace) -> int:
+    from worker import bench
+
+    bench.run_tp(
+        model=args.model, tps=tuple(args.tp), prompt_len=args.prompt_len, batches=tuple(args.batch),
+        decode_tokens=args.decode_tokens, device=args.device, as_json=args.json,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)
+    t = bsub.add_parser("tp", help="TTFT and decode tokens/s of a worker group per tensor-parallel size (local Ray)")
+    t.add_argument("--model", default="demo")
+    t.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    t.add_argument("--prompt-len", type=int, default=1024)
+    t.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    t.add_argument("--decode-tokens", type=int, default=64)
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_bench_tp)
     return p
 
 

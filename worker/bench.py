@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import statistics
@@ -80,3 +81,63 @@ def run(
         for b, rate in result["decode_tokens_per_s"].items():
             print(f"  decode, batch {b:3d}:                      {rate:8.1f} tokens/s")
     return result
+
+
+def run_tp(
+    model: str = "demo",
+    tps: tuple[int, ...] = (1, 2),
+    prompt_len: int = 1024,
+    batches: tuple[int, ...] = (1, 8),
+    decode_tokens: int = 64,
+    device: str = "cpu",
+    as_json: bool = False,
+) -> dict:
+    """TTFT and decode tokens/s of one worker group per tensor-parallel size, on a local Ray."""
+    from worker.group import GroupConfig, WorkerGroup, init_local_ray
+
+    use_gpu = device == "cuda"
+    init_local_ray(num_cpus=max(tps) + 1 if not use_gpu else None)
+    rng = random.Random(0)
+    results: dict = {}
+    for tp in tps:
+        group = WorkerGroup(GroupConfig(f"bench-tp{tp}", EngineConfig(model=model, device=device), tp, use_gpu))
+        try:
+            vocab = 4000
+            group.generate([1, 2, 3], SamplingParams(max_tokens=2))  # warm-up
+            ttfts = []
+            for _ in range(3):
+                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+                start = time.perf_counter()
+                next(group.stream(prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+                ttfts.append(time.perf_counter() - start)
+            rates = {}
+            for b in batches:
+                rates[b] = asyncio.run(_group_decode_rate(group, b, decode_tokens, rng))
+            results[tp] = {"ttft_ms": statistics.median(ttfts) * 1e3, "decode_tokens_per_s": rates}
+        finally:
+            group.shutdown()
+    if as_json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(f"tensor-parallel benchmark on {device} ({model}); TTFT of a {prompt_len}-token prompt, median of 3")
+        for tp, r in results.items():
+            rates = ", ".join(f"batch {b}: {v:.1f}" for b, v in r["decode_tokens_per_s"].items())
+            print(f"  tp={tp}: TTFT {r['ttft_ms']:8.1f} ms   decode tokens/s {rates}")
+    return results
+
+
+async def _group_decode_rate(group, batch: int, tokens: int, rng: random.Random) -> float:
+    """Output tokens per second of ``batch`` concurrent requests, counted after each one's first token."""
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    firsts: list[float] = []
+
+    async def one() -> int:
+        n = 0
+        async for out in group.astream([rng.randrange(4000) for _ in range(32)], params):
+            if n == 0:
+                firsts.append(time.perf_counter())
+            n += len(out.new_token_ids)
+        return n - 1
+
+    counts = await asyncio.gather(*(one() for _ in range(batch)))
+    return sum(counts) / (time.perf_counter() - max(firsts))

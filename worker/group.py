@@ -294,3 +294,23 @@ class WorkerGroup:
         """Replace the whole group (all ranks) with fresh actors; its cache starts empty."""
         self.shutdown()
         self.start()
+
+
+def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    """Start (or join, with ``address``) Ray; a local start stays on loopback with auth disabled."""
+    import os
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=256 * 2**20,
+            log_to_driver=False,
+        )
