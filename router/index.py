@@ -1,0 +1,104 @@
+"""The global prefix index: which worker groups hold which block keys, fed by the groups' KV events.
+
+Each group gets a bit; a key maps to the bitmask of the groups holding it. ``match`` walks a prompt's keys
+in order and returns, for every group, the length of the longest run of leading keys it holds: one dict
+lookup and a few integer operations per block, stopping as soon as no group is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._mask: dict[bytes, int] = {}
+        self._keys_of: dict[str, set[bytes]] = {}
+        self._bit: dict[str, int] = {}
+        self._free_bits: list[int] = []
+
+    @property
+    def groups(self) -> list[str]:
+        return list(self._bit)
+
+    def __len__(self) -> int:
+        return len(self._mask)
+
+    def bit(self, group: str) -> int:
+        """The group's bit, adding the group if it is new."""
+        b = self._bit.get(group)
+        if b is None:
+            b = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
+            self._bit[group] = b
+            self._keys_of[group] = set()
+        return b
+
+    def group_of_bit(self, bit: int) -> str:
+        return next(g for g, b in self._bit.items() if b == bit)
+
+    def apply(self, group: str, event: KVEvent) -> None:
+        b = self.bit(group)
+        keys = self._keys_of[group]
+        if isinstance(event, BlockStored):
+            for k in event.keys:
+                self._mask[k] = self._mask.get(k, 0) | b
+            keys.update(event.keys)
+        elif isinstance(event, BlockRemoved):
+            for k in event.keys:
+                self._drop(k, b)
+            keys.difference_update(event.keys)
+        elif isinstance(event, AllCleared):
+            for k in keys:
+                self._drop(k, b)
+            keys.clear()
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+
+    def _drop(self, key: bytes, bit: int) -> None:
+        m = self._mask.get(key, 0) & ~bit
+        if m:
+            self._mask[key] = m
+        else:
+            self._mask.pop(key, None)
+
+    def remove_group(self, group: str) -> None:
+        """Forget a group and every entry it had (at once)."""
+        b = self._bit.pop(group, None)
+        if b is None:
+            return
+        for k in self._keys_of.pop(group):
+            self._drop(k, b)
+        self._free_bits.append(b)
+
+    def holders(self, key: bytes) -> int:
+        return self._mask.get(key, 0)
+
+    def keys_of(self, group: str) -> set[bytes]:
+        return set(self._keys_of.get(group, ()))
+
+    def match(self, keys: Iterable[bytes], extra: dict[bytes, int] | None = None) -> dict[str, int]:
+        """Blocks of the longest leading run each group holds (``extra``: more holders per key, e.g.
+        predictions). Groups holding no leading block are absent."""
+        runs: dict[int, int] = {}
+        alive = sum(self._bit.values())
+        mask, more = self._mask, extra or {}
+        n = 0
+        for key in keys:
+            m = alive & (mask.get(key, 0) | more.get(key, 0))
+            _record(runs, alive & ~m, n)
+            alive = m
+            if not alive:
+                break
+            n += 1
+        _record(runs, alive, n)
+        by_bit = {b: g for g, b in self._bit.items()}
+        return {by_bit[b]: k for b, k in runs.items() if k > 0}
+
+
+def _record(runs: dict[int, int], bits: int, n: int) -> None:
+    while bits:
+        low = bits & -bits
+        runs[low] = n
+        bits ^= low

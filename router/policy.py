@@ -1,0 +1,176 @@
+"""Routing policies. ``kvgrid`` (the default) picks the group with the least estimated cost; the others are the
+baselines it is measured against."""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class GroupLoad:
+    """What a group still has to do: prefill tokens queued or running, and requests decoding."""
+
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    recent_prefill_tokens: float = 0.0  # prefill routed here, decayed over the router's recent_window_s
+
+
+@dataclass
+class RouteRequest:
+    keys: list[bytes]  # the prompt's full-block keys (tenant-salted)
+    num_tokens: int
+    block_size: int
+    cached_blocks: dict[str, int]  # leading blocks each group holds (index + predictions)
+
+
+class RoutingPolicy(ABC):
+    name: str
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    @abstractmethod
+    def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:
+        """Pick one of ``loads``' groups (all routable) for ``req``."""
+
+    def _least_loaded(self, groups: list[str], loads: dict[str, GroupLoad]) -> str:
+        best = min(load_key(loads[g]) for g in groups)
+        return self.rng.choice([g for g in groups if load_key(loads[g]) == best])
+
+
+def load_key(load: GroupLoad) -> tuple[int, int]:
+    return (load.queued_prefill_tokens, load.running)
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """Least estimated cost, in prefill-token equivalents:
+
+        recompute_weight x (tokens of this request the group does not hold)
+        + the prefill already queued there
+        + decode_weight x the requests it is decoding
+        + recent_weight x the prefill routed there lately (decayed)
+
+    Recomputing a prefix costs the whole cluster, not just this request, so uncached tokens weigh more than
+    queued ones (``recompute_weight``): a group holding the prefix keeps it until its queue is long enough to
+    justify copying the work elsewhere; then the next request goes to a less busy group, which computes and
+    from then on also holds the prefix (a hot prefix spreads to a second group instead of everything
+    switching to round robin). The decayed recent work spreads new conversations over groups that have been
+    doing less, so total work stays balanced when queues are short. Equal costs go to the less loaded group,
+    then at random, so cold traffic never piles onto the first group. The defaults were tuned on the
+    Mooncake conversation trace (``kvgrid replay``).
+    """
+
+    name = "kvgrid"
+
+    def __init__(
+        self, decode_weight: float = 32.0, recompute_weight: float = 8.0, recent_weight: float = 0.1, seed: int = 0
+    ) -> None:
+        super().__init__(seed)
+        self.decode_weight = decode_weight
+        self.recompute_weight = recompute_weight
+        self.recent_weight = recent_weight
+
+    def cost(self, req: RouteRequest, group: str, load: GroupLoad) -> float:
+        cached = min(req.cached_blocks.get(group, 0) * req.block_size, req.num_tokens)
+        uncached = req.num_tokens - cached
+        return (
+            self.recompute_weight * uncached
+            + load.queued_prefill_tokens
+            + self.decode_weight * load.running
+            + self.recent_weight * load.recent_prefill_tokens
+        )
+
+    def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:
+        costs = {g: self.cost(req, g, load) for g, load in loads.items()}
+        best = min(costs.values())
+        return self._least_loaded([g for g, c in costs.items() if c == best], loads)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.turn = 0
+
+    def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:
+        groups = sorted(loads)
+        self.turn += 1
+        return groups[(self.turn - 1) % len(groups)]
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    name = "least_loaded"
+
+    def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:
+        return self._least_loaded(list(loads), loads)
+
+
+class PrefixAffinityPolicy(RoutingPolicy):
+    """What common gateways do: each group keeps an approximate record of the prompts routed to it (not the
+    workers' events); a request goes to the group with the longest match when that match covers at least
+    ``match_ratio`` of the prompt, else to the group with the least recorded content; when the queues are
+    imbalanced (max - min above ``abs_threshold`` tokens and max / min above ``rel_threshold``) it switches to
+    the least loaded group."""
+
+    name = "prefix_affinity"
+
+    def __init__(
+        self,
+        capacity_blocks: int = 1 << 20,
+        match_ratio: float = 0.5,
+        abs_threshold: int = 32 * 1024,
+        rel_threshold: float = 1.5,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seed)
+        self.capacity = capacity_blocks
+        self.match_ratio = match_ratio
+        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+        self.trees: dict[str, OrderedDict[bytes, None]] = {}
+
+    def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:
+        for g in loads:
+            self.trees.setdefault(g, OrderedDict())
+        queued = [loads[g].queued_prefill_tokens for g in loads]
+        hi, lo = max(queued), min(queued)
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * max(lo, 1):
+            group = self._least_loaded(list(loads), loads)
+        else:
+            match = {g: self._match(self.trees[g], req.keys) for g in loads}
+            best = max(match.values())
+            if req.keys and best >= self.match_ratio * len(req.keys):
+                group = self.rng.choice([g for g, m in match.items() if m == best])
+            else:
+                smallest = min(len(self.trees[g]) for g in loads)
+                group = self.rng.choice([g for g in loads if len(self.trees[g]) == smallest])
+        self._insert(self.trees[group], req.keys)
+        return group
+
+    @staticmethod
+    def _match(tree: OrderedDict[bytes, None], keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in tree:
+                break
+            n += 1
+        return n
+
+    def _insert(self, tree: OrderedDict[bytes, None], keys: list[bytes]) -> None:
+        for k in keys:
+            tree[k] = None
+            tree.move_to_end(k)
+        while len(tree) > self.capacity:
+            tree.popitem(last=False)
+
+
+POLICIES = {p.name: p for p in (CacheAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixAffinityPolicy)}
+
+
+def make_policy(name: str, seed: int = 0, **kwargs) -> RoutingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](seed=seed, **kwargs)

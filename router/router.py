@@ -1,0 +1,202 @@
+"""The router: hash a request's leading blocks with its tenant's root key, find which groups hold them, pick
+one with the policy, and keep per-group load. Exact, because the workers publish the same keys."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from common.events import BlockStored, KVEvent
+from common.hashing import block_keys, tenant_root_key
+from router.index import PrefixIndex
+from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
+from router.transport import Subscription
+
+
+@dataclass
+class RouteDecision:
+    request_id: str
+    group: str
+    cached_tokens: int  # prompt tokens the chosen group holds (index + predictions)
+
+
+@dataclass
+class _Inflight:
+    group: str
+    prefill_tokens: int
+    decoding: bool = False
+
+
+class Router:
+    """One replica's routing state. Not thread-safe: one event loop or thread drives it."""
+
+    def __init__(
+        self,
+        groups: Sequence[str],
+        secret: bytes | str,
+        block_size: int = 16,
+        policy: RoutingPolicy | str = "kvgrid",
+        hash_algo: str = "xxh3_128",
+        prediction_ttl_s: float = 10.0,
+        recent_window_s: float = 60.0,
+        events: Subscription | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.index = PrefixIndex()
+        self.loads: dict[str, GroupLoad] = {}
+        self.prediction_ttl_s = prediction_ttl_s
+        self.recent_window_s = recent_window_s
+        self._decayed_at = clock()
+        self.events = events
+        self.clock = clock
+        self._roots: dict[str, bytes] = {}
+        self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
+        self._predicted_until: dict[tuple[bytes, int], float] = {}
+        self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
+        self._inflight: dict[str, _Inflight] = {}
+        self._ids = itertools.count()
+        for g in groups:
+            self.add_group(g)
+
+    # -- groups and events ------------------------------------------------------------------------------------
+
+    def add_group(self, group: str) -> None:
+        self.index.bit(group)
+        self.loads.setdefault(group, GroupLoad())
+
+    def remove_group(self, group: str) -> None:
+        """Stop routing to ``group`` and drop its index entries and predictions at once."""
+        bit = self.index.bit(group)
+        self.index.remove_group(group)
+        self.loads.pop(group, None)
+        for key in [k for k, m in self._predicted.items() if m & bit]:
+            self._unpredict(key, bit)
+
+    def apply_event(self, group: str, event: KVEvent) -> None:
+        if group not in self.loads:
+            return  # a removed group's late events
+        self.index.apply(group, event)
+        if isinstance(event, BlockStored):  # the prediction has become a fact
+            bit = self.index.bit(group)
+            for k in event.keys:
+                if self._predicted.get(k, 0) & bit:
+                    self._unpredict(k, bit)
+
+    def poll_events(self) -> int:
+        """Apply what the transport has delivered; returns how many events."""
+        if self.events is None:
+            return 0
+        batch = self.events.poll()
+        for group, event in batch:
+            self.apply_event(group, event)
+        return len(batch)
+
+    # -- routing ----------------------------------------------------------------------------------------------
+
+    def root_key(self, tenant: str) -> bytes:
+        key = self._roots.get(tenant)
+        if key is None:
+            key = self._roots[tenant] = tenant_root_key(self.secret, tenant, self.hash_algo)
+        return key
+
+    def keys_for(self, tenant: str, token_ids: Sequence[int]) -> list[bytes]:
+        """The same keys the workers compute for this tenant's prompt."""
+        return block_keys(token_ids, self.block_size, self.root_key(tenant), self.hash_algo)
+
+    def match(self, keys: list[bytes]) -> dict[str, int]:
+        """Leading blocks each group holds, counting unexpired predictions."""
+        self._expire()
+        return self.index.match(keys, self._predicted)
+
+    def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
+        self.poll_events()
+        return self.route_keys(self.keys_for(tenant, token_ids), len(token_ids), request_id)
+
+    def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
+        """Route a prompt given its block keys (what ``route`` does after hashing)."""
+        if not self.loads:
+            raise RuntimeError("no worker group to route to")
+        cached = self.match(keys)
+        self._decay_recent()
+        req = RouteRequest(keys, num_tokens, self.block_size, cached)
+        group = self.policy.choose(req, self.loads)
+        hit = min(cached.get(group, 0) * self.block_size, num_tokens)
+        rid = request_id if request_id is not None else f"route-{next(self._ids)}"
+        self._start(rid, group, num_tokens - hit)
+        self._predict(keys, group)
+        return RouteDecision(rid, group, hit)
+
+    # -- load bookkeeping -------------------------------------------------------------------------------------
+
+    def _start(self, rid: str, group: str, prefill_tokens: int) -> None:
+        self._inflight[rid] = _Inflight(group, prefill_tokens)
+        self.loads[group].queued_prefill_tokens += prefill_tokens
+        self.loads[group].recent_prefill_tokens += prefill_tokens
+
+    def _decay_recent(self) -> None:
+        now = self.clock()
+        factor = math.exp(-(now - self._decayed_at) / self.recent_window_s)
+        self._decayed_at = now
+        for load in self.loads.values():
+            load.recent_prefill_tokens *= factor
+
+    def on_prefill_done(self, request_id: str) -> None:
+        """The request's first token is out: its prefill leaves the queue, it now decodes."""
+        f = self._inflight.get(request_id)
+        if f is None or f.decoding:
+            return
+        f.decoding = True
+        load = self.loads.get(f.group)
+        if load is not None:
+            load.queued_prefill_tokens -= f.prefill_tokens
+            load.running += 1
+
+    def on_finish(self, request_id: str) -> None:
+        """The request ended (finished, aborted or failed)."""
+        f = self._inflight.pop(request_id, None)
+        load = None if f is None else self.loads.get(f.group)
+        if load is None:
+            return
+        if f.decoding:
+            load.running -= 1
+        else:
+            load.queued_prefill_tokens -= f.prefill_tokens
+
+    # -- predictions ------------------------------------------------------------------------------------------
+
+    def _predict(self, keys: list[bytes], group: str) -> None:
+        if not keys or self.prediction_ttl_s <= 0:
+            return
+        bit = self.index.bit(group)
+        until = self.clock() + self.prediction_ttl_s
+        held = self.index.holders
+        fresh = [k for k in keys if not held(k) & bit]
+        for k in fresh:
+            self._predicted[k] = self._predicted.get(k, 0) | bit
+            self._predicted_until[(k, bit)] = until
+        if fresh:
+            self._expiry.append((until, bit, fresh))
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, bit, keys = self._expiry.popleft()
+            for k in keys:
+                if self._predicted_until.get((k, bit), now + 1) <= now:
+                    self._unpredict(k, bit)
+
+    def _unpredict(self, key: bytes, bit: int) -> None:
+        m = self._predicted.get(key, 0) & ~bit
+        if m:
+            self._predicted[key] = m
+        else:
+            self._predicted.pop(key, None)
+        self._predicted_until.pop((key, bit), None)
