@@ -8,12 +8,13 @@ computes the same ones.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 
-import numpy as np
 import xxhash
 
 HASH_ALGOS = ("xxh3_128", "sha256")
@@ -55,10 +56,45 @@ def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128") ->
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    arr = np.asarray(token_ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must lie in [0, 2**32)")
-    return arr.astype("<u4").tobytes()
+    try:
+        arr = array.array("I", token_ids)  # C unsigned int: 4 bytes on every platform we run on
+    except OverflowError:
+        raise ValueError("token ids must lie in [0, 2**32)") from None
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def iter_block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: bytes,
+    algo: str = "xxh3_128",
+    start_block: int = 0,
+    chunk_blocks: int = 64,
+) -> Iterator[bytes]:
+    """Chained keys of the full blocks of ``token_ids`` from block ``start_block`` on, computed lazily a chunk
+    at a time (a caller that stops early, like the router at the first block no group holds, hashes no more).
+
+    ``parent`` is the key of block ``start_block - 1`` (the tenant root key when ``start_block`` is 0).
+    A trailing partial block gets no key.
+    """
+    _check_algo(algo)
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    n_full = len(token_ids) // block_size
+    step = 4 * block_size
+    digest = xxhash.xxh3_128_digest if algo == "xxh3_128" else _sha256
+    for first in range(start_block, n_full, chunk_blocks):
+        last = min(first + chunk_blocks, n_full)
+        data = _token_bytes(token_ids[first * block_size : last * block_size])
+        for off in range(0, len(data), step):
+            parent = digest(parent + data[off : off + step])
+            yield parent
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def block_keys(
@@ -68,27 +104,5 @@ def block_keys(
     algo: str = "xxh3_128",
     start_block: int = 0,
 ) -> list[bytes]:
-    """Chained keys of the full blocks of ``token_ids`` from block ``start_block`` on.
-
-    ``parent`` is the key of block ``start_block - 1`` (the tenant root key when ``start_block`` is 0).
-    A trailing partial block gets no key.
-    """
-    _check_algo(algo)
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    n_full = len(token_ids) // block_size
-    if start_block >= n_full:
-        return []
-    data = memoryview(_token_bytes(token_ids[start_block * block_size : n_full * block_size]))
-    step = 4 * block_size
-    keys: list[bytes] = []
-    if algo == "xxh3_128":
-        digest = xxhash.xxh3_128_digest
-        for off in range(0, len(data), step):
-            parent = digest(parent + data[off : off + step])
-            keys.append(parent)
-    else:
-        for off in range(0, len(data), step):
-            parent = hashlib.sha256(parent + data[off : off + step]).digest()
-            keys.append(parent)
-    return keys
+    """All chained full-block keys (see ``iter_block_keys``)."""
+    return list(iter_block_keys(token_ids, block_size, parent, algo, start_block, chunk_blocks=1 << 30))

@@ -78,6 +78,39 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import json
+
+    from router.policy import POLICIES
+    from router.replay import format_result, load_trace, replay
+
+    trace = load_trace(args.trace, tenants=args.tenants, limit=args.limit)
+    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    results = []
+    for policy in policies:
+        r = replay(
+            trace, args.groups, args.capacity_tokens, args.block_size, policy,
+            prefill_tokens_per_s=args.prefill_rate, decode_s_per_token=args.decode_ms / 1e3,
+            seed=args.seed, progress=not args.json,
+        )
+        results.append(r)
+        if not args.json:
+            print(format_result(r))
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    return 0
+
+
+def _cmd_bench_route(args: argparse.Namespace) -> int:
+    from router import bench
+
+    bench.route_latency(
+        prompt_tokens=args.prompt_tokens, index_keys=args.index_keys, groups=args.groups,
+        block_size=args.block_size, calls=args.calls,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -120,6 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_tp)
+    r = bsub.add_parser("route", help="route() latency for a long prompt against a large prefix index")
+    r.add_argument("--prompt-tokens", type=int, default=32768)
+    r.add_argument("--index-keys", type=int, default=1_000_000)
+    r.add_argument("--groups", type=int, default=8)
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--calls", type=int, default=300)
+    r.set_defaults(func=_cmd_bench_route)
+
+    from router.policy import POLICIES
+
+    rp = sub.add_parser("replay", help="replay a request trace through the router and simulated worker groups")
+    rp.add_argument("--trace", required=True, help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    rp.add_argument("--groups", type=int, default=8)
+    rp.add_argument("--capacity-tokens", type=int, default=3_000_000, help="KV cache tokens per group")
+    rp.add_argument("--block-size", type=int, default=512, help="tokens per hash_ids entry")
+    rp.add_argument("--policy", default="kvgrid", choices=[*POLICIES, "all"])
+    rp.add_argument("--tenants", type=int, default=1, help="tenant of a request: hash_ids[1] %% T")
+    rp.add_argument("--prefill-rate", type=float, default=16000.0, help="prefill tokens/s of one group")
+    rp.add_argument("--decode-ms", type=float, default=20.0, help="ms per output token of one request")
+    rp.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=_cmd_replay)
     return p
 
 

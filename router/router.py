@@ -7,11 +7,11 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from common.events import BlockStored, KVEvent
-from common.hashing import block_keys, tenant_root_key
+from common.hashing import block_keys, iter_block_keys, tenant_root_key
 from router.index import PrefixIndex
 from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.transport import Subscription
@@ -42,6 +42,7 @@ class Router:
         policy: RoutingPolicy | str = "kvgrid",
         hash_algo: str = "xxh3_128",
         prediction_ttl_s: float = 10.0,
+        prediction_blocks: int | None = 128,
         recent_window_s: float = 60.0,
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -53,14 +54,15 @@ class Router:
         self.index = PrefixIndex()
         self.loads: dict[str, GroupLoad] = {}
         self.prediction_ttl_s = prediction_ttl_s
+        self.prediction_blocks = prediction_blocks
         self.recent_window_s = recent_window_s
         self._decayed_at = clock()
         self.events = events
         self.clock = clock
         self._roots: dict[str, bytes] = {}
         self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
-        self._predicted_until: dict[tuple[bytes, int], float] = {}
-        self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
+        self._predicted_until: dict[bytes, float] = {}  # key -> when its latest prediction lapses
+        self._expiry: deque[tuple[float, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
         self._ids = itertools.count()
         for g in groups:
@@ -117,21 +119,27 @@ class Router:
         return self.index.match(keys, self._predicted)
 
     def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
+        """Pick a group for this tenant's prompt. Keys are hashed lazily: a prompt whose leading blocks no
+        group holds costs a few hashes, not one per block."""
         self.poll_events()
-        return self.route_keys(self.keys_for(tenant, token_ids), len(token_ids), request_id)
+        lazy = iter_block_keys(token_ids, self.block_size, self.root_key(tenant), self.hash_algo)
+        return self._route(_Tee(lazy), len(token_ids), request_id)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
+        return self._route(_Tee(iter(keys)), num_tokens, request_id)
+
+    def _route(self, keys: _Tee, num_tokens: int, request_id: str | None) -> RouteDecision:
         if not self.loads:
             raise RuntimeError("no worker group to route to")
         cached = self.match(keys)
         self._decay_recent()
-        req = RouteRequest(keys, num_tokens, self.block_size, cached)
+        req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
         group = self.policy.choose(req, self.loads)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
         rid = request_id if request_id is not None else f"route-{next(self._ids)}"
         self._start(rid, group, num_tokens - hit)
-        self._predict(keys, group)
+        self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit)
 
     # -- load bookkeeping -------------------------------------------------------------------------------------
@@ -173,25 +181,26 @@ class Router:
     # -- predictions ------------------------------------------------------------------------------------------
 
     def _predict(self, keys: list[bytes], group: str) -> None:
+        """Count ``keys`` as held by ``group`` until its events confirm them or ``prediction_ttl_s`` passes."""
         if not keys or self.prediction_ttl_s <= 0:
             return
         bit = self.index.bit(group)
         until = self.clock() + self.prediction_ttl_s
-        held = self.index.holders
+        held, predicted, pred_until = self.index.holders, self._predicted, self._predicted_until
         fresh = [k for k in keys if not held(k) & bit]
         for k in fresh:
-            self._predicted[k] = self._predicted.get(k, 0) | bit
-            self._predicted_until[(k, bit)] = until
+            predicted[k] = predicted.get(k, 0) | bit
+            pred_until[k] = until
         if fresh:
-            self._expiry.append((until, bit, fresh))
+            self._expiry.append((until, fresh))
 
     def _expire(self) -> None:
         now = self.clock()
         while self._expiry and self._expiry[0][0] <= now:
-            _, bit, keys = self._expiry.popleft()
-            for k in keys:
-                if self._predicted_until.get((k, bit), now + 1) <= now:
-                    self._unpredict(k, bit)
+            for k in self._expiry.popleft()[1]:
+                if self._predicted_until.get(k, now + 1) <= now:
+                    self._predicted.pop(k, None)
+                    del self._predicted_until[k]
 
     def _unpredict(self, key: bytes, bit: int) -> None:
         m = self._predicted.get(key, 0) & ~bit
@@ -199,4 +208,27 @@ class Router:
             self._predicted[key] = m
         else:
             self._predicted.pop(key, None)
-        self._predicted_until.pop((key, bit), None)
+            self._predicted_until.pop(key, None)
+
+
+class _Tee:
+    """Iterates lazily computed keys and remembers those already produced."""
+
+    def __init__(self, it: Iterator[bytes]) -> None:
+        self.it = it
+        self.seen: list[bytes] = []
+
+    def __iter__(self) -> Iterator[bytes]:
+        for k in self.it:
+            self.seen.append(k)
+            yield k
+
+    def take(self, n: int | None) -> list[bytes]:
+        """The first ``n`` keys (all if ``n`` is None; fewer if the prompt has fewer), computing any not
+        produced yet."""
+        while n is None or len(self.seen) < n:
+            k = next(self.it, None)
+            if k is None:
+                break
+            self.seen.append(k)
+        return self.seen if n is None else self.seen[:n]
