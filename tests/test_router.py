@@ -1,0 +1,176 @@
+"""The router's index, policy behaviours, predictions and hashing, in small deterministic scenarios."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
+from common.sampling import SamplingParams
+from router.index import PrefixIndex
+from router.replay import load_trace, replay
+from router.router import Router
+from router.transport import InProcessTransport
+
+SECRET = b"router-test-secret"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_index_follows_interleaved_events_like_a_naive_model():
+    rng = random.Random(3)
+    index, model = PrefixIndex(), {g: set() for g in "abc"}
+    for _ in range(3000):
+        g, op = rng.choice("abc"), rng.random()
+        keys = [k(rng.randrange(40)) for _ in range(rng.randrange(1, 5))]
+        if op < 0.55:
+            index.apply(g, BlockStored(keys, None))
+            model[g].update(keys)
+        elif op < 0.95:
+            index.apply(g, BlockRemoved(keys))
+            model[g].difference_update(keys)
+        else:
+            index.apply(g, AllCleared())
+            model[g].clear()
+        prompt = [k(i) for i in range(rng.randrange(0, 6))]
+        expected = {}
+        for grp, held in model.items():
+            n = 0
+            while n < len(prompt) and prompt[n] in held:
+                n += 1
+            if n:
+                expected[grp] = n
+        assert index.match(prompt) == expected
+
+
+def test_removing_a_group_drops_all_its_entries_at_once():
+    index = PrefixIndex()
+    index.apply("a", BlockStored([k(1), k(2)], None))
+    index.apply("b", BlockStored([k(1)], None))
+    index.remove_group("a")
+    assert index.match([k(1), k(2)]) == {"b": 1}
+    assert index.holders(k(2)) == 0 and len(index) == 1
+
+
+def test_cold_traffic_does_not_pile_onto_the_first_group():
+    router = Router(["g0", "g1", "g2", "g3"], SECRET)
+    rng = random.Random(0)
+    picks = [router.route("acme", [rng.randrange(32000) for _ in range(64)]).group for _ in range(8)]
+    assert sorted(picks.count(g) for g in router.loads) == [2, 2, 2, 2]
+
+
+def test_a_universal_first_block_does_not_collapse_routing_onto_one_group():
+    router = Router(["g0", "g1", "g2", "g3"], SECRET)
+    system = list(range(16))  # every prompt starts with this block, and every group holds it
+    for g in router.loads:
+        router.apply_event(g, BlockStored(router.keys_for("acme", system), None))
+    rng = random.Random(1)
+    picks = {router.route("acme", system + [rng.randrange(32000) for _ in range(200)]).group for _ in range(8)}
+    assert picks == set(router.loads)
+
+
+def test_hot_prefix_spreads_to_a_second_group_under_load_not_to_all():
+    router = Router(["g0", "g1", "g2", "g3"], SECRET, prediction_ttl_s=0)
+    hot = list(range(1000, 3048))  # 2048 tokens, held by g0
+    router.apply_event("g0", BlockStored(router.keys_for("acme", hot), None))
+    picks, rng = [], random.Random(2)
+    for _ in range(56):  # a burst: nothing finishes, g0's queue grows by 512 tokens a request
+        d = router.route("acme", hot + [rng.randrange(32000) for _ in range(512)])
+        if d.group not in picks:  # the new holder computes the prefix: from now on it holds it too
+            router.apply_event(d.group, BlockStored(router.keys_for("acme", hot), None))
+        picks.append(d.group)
+    counts = {g: picks.count(g) for g in set(picks)}
+    assert picks[0] == "g0" and "g0" in counts and len(counts) == 2, counts
+    assert min(counts.values()) >= 8, counts  # both holders serve a real share of the hot traffic
+
+
+def test_a_burst_of_siblings_lands_together_before_any_event_arrives():
+    router = Router(["g0", "g1", "g2", "g3"], SECRET)
+    doc = list(range(5000, 5512))  # a shared 512-token document nobody holds yet
+    groups = {router.route("acme", doc + [i, i + 1]).group for i in range(4)}
+    assert len(groups) == 1
+
+
+def test_predictions_lapse_when_no_event_confirms_them():
+    now = [0.0]
+    router = Router(["g0", "g1"], SECRET, prediction_ttl_s=5.0, clock=lambda: now[0])
+    doc = list(range(64))
+    first = router.route("acme", doc + [1]).group
+    assert router.match(router.keys_for("acme", doc)) == {first: 4}
+    now[0] = 6.0
+    assert router.match(router.keys_for("acme", doc)) == {}
+
+
+def test_router_keys_equal_the_engines_and_another_tenant_scores_zero(demo_path):
+    from worker.engine import Engine, EngineConfig
+
+    sink = ListSink()
+    engine = Engine(EngineConfig(model=str(demo_path), device="cpu", secret=SECRET), event_sink=sink)
+    prompt = list(range(100, 180))
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), tenant="acme")
+    stored = [key for e in sink.events if isinstance(e, BlockStored) for key in e.keys]
+    transport = InProcessTransport()
+    router = Router(["g0", "g1"], SECRET, events=transport.subscribe())
+    assert router.keys_for("acme", prompt) == stored
+    transport.publish("g0", sink.drain())
+    router.poll_events()
+    assert router.match(router.keys_for("acme", prompt)) == {"g0": 5}
+    assert router.match(router.keys_for("globex", prompt)) == {}
+    assert router.route("globex", prompt).cached_tokens == 0
+
+
+def test_two_replicas_reading_one_transport_keep_identical_indexes():
+    transport = InProcessTransport()
+    a = Router(["g0", "g1"], SECRET, events=transport.subscribe())
+    b = Router(["g0", "g1"], SECRET, events=transport.subscribe())
+    keys = a.keys_for("acme", list(range(64)))
+    transport.publish("g1", [BlockStored(keys, None), BlockRemoved(keys[3:]), BlockStored(keys[:2], None)])
+    transport.publish("g0", [BlockStored(keys[:1], None), AllCleared()])
+    a.poll_events()
+    b.poll_events()
+    assert a.index.match(keys) == b.index.match(keys) == {"g1": 3}
+
+
+def test_load_bookkeeping_returns_to_zero():
+    router = Router(["g0"], SECRET)
+    d = router.route("acme", list(range(100)))
+    assert router.loads["g0"].queued_prefill_tokens == 100
+    router.on_prefill_done(d.request_id)
+    assert router.loads["g0"].queued_prefill_tokens == 0 and router.loads["g0"].running == 1
+    router.on_finish(d.request_id)
+    assert router.loads["g0"].running == 0
+
+
+def test_replay_beats_round_robin_and_stays_below_the_infinite_cache():
+    trace = load_trace(TRACE, limit=1500)
+    ours = replay(trace, 4, 3_000_000, 512, "kvgrid", progress=False)
+    rr = replay(trace, 4, 3_000_000, 512, "round_robin", progress=False)
+    assert ours["hit_ratio"] > 2 * rr["hit_ratio"]
+    assert ours["hit_ratio"] >= 0.9 * ours["pooled_lru_hit_ratio"]
+    assert ours["hit_ratio"] <= ours["infinite_hit_ratio"] + 1e-9
+    assert ours["pooled_lru_hit_ratio"] == rr["pooled_lru_hit_ratio"] > 0
+    assert ours["imbalance"] >= 1.0 and ours["ttft_p99_s"] >= ours["ttft_p50_s"] > 0
+
+
+def test_replay_command_prints_json(tmp_path):
+    small = tmp_path / "t.jsonl"
+    small.write_text("".join(TRACE.open().readlines()[:200]))
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "replay", "--trace", str(small), "--groups", "2",
+         "--capacity-tokens", "200000", "--policy", "all", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    assert {r["policy"] for r in results} == {"kvgrid", "round_robin", "least_loaded", "prefix_affinity"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    out = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--trace", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "not a trace record" in out.stderr
