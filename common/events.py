@@ -43,3 +43,32 @@ class ListSink:
     def drain(self) -> list[KVEvent]:
         out, self.events = self.events, []
         return out
+
+
+class EventLog:
+    """A bounded log with absolute offsets: any number of readers follow it with their own cursor.
+
+    A reader that fell behind what the log still holds gets ``None`` from ``read`` and must resynchronise
+    from a snapshot (the publisher's current keys)."""
+
+    def __init__(self, max_events: int = 100_000) -> None:
+        self.max_events = max_events
+        self._events: list[KVEvent] = []
+        self._base = 0
+
+    def publish(self, event: KVEvent) -> None:
+        self._events.append(event)
+        if len(self._events) > 2 * self.max_events:
+            drop = len(self._events) - self.max_events
+            del self._events[:drop]
+            self._base += drop
+
+    @property
+    def end(self) -> int:
+        return self._base + len(self._events)
+
+    def read(self, offset: int) -> list[KVEvent] | None:
+        """Events from ``offset`` to the end, or None if some of them were trimmed."""
+        if offset < self._base:
+            return None
+        return self._events[offset - self._base :]

@@ -74,10 +74,11 @@ def test_each_rank_holds_only_its_share_of_kv_heads(group2, demo_path):
 
 
 def test_group_reports_load_and_kv_events(group2):
-    group2.drain_events()
+    _, offset = group2.read_events(0)
     prompt = list(range(900, 940))
     group2.generate(prompt, GREEDY, tenant="acme")
-    stored = [k for e in group2.drain_events() if type(e).__name__ == "BlockStored" for k in e.keys]
+    events, _ = group2.read_events(offset)
+    stored = [k for e in events if type(e).__name__ == "BlockStored" for k in e.keys]
     assert len(stored) >= 2
     stats = group2.stats()
     assert stats.running == 0 and stats.blocks_cached >= 2 and stats.prefix_cache["acme"].queried_tokens == 40
@@ -112,3 +113,29 @@ def test_killed_rank_fails_inflight_requests_and_a_restart_serves_again(ray_loca
         assert len(group.generate([1, 2, 3], GREEDY).token_ids) >= 1
     finally:
         group.shutdown()
+
+
+def test_two_router_replicas_on_ray_follow_the_groups_events(ray_local, group2, demo_path):
+    from router.service import RouterService
+    from worker.group import GroupConfig, WorkerGroup
+
+    g1 = WorkerGroup(GroupConfig("g-tp1", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), tp=1))
+    try:
+        groups = {"g-tp2": group2, "g-tp1": g1}
+        service = ray_local.remote(RouterService).options(num_cpus=0)
+        replicas = [service.remote({n: g.leader for n, g in groups.items()}, b"s", 16) for _ in range(2)]
+        prompt = list(range(2000, 2048)) + [1, 2]
+        first = ray_local.get(replicas[0].route.remote("acme", prompt))
+        groups[first.group].generate(prompt, GREEDY, tenant="acme")
+        for r in replicas:  # each replica reads the group's events into its own index
+            deadline = time.monotonic() + 30
+            while ray_local.get(r.match.remote("acme", prompt)).get(first.group, 0) < 3:
+                assert time.monotonic() < deadline, "events never reached the replica"
+                ray_local.get(r.poll.remote())
+        sibling = list(range(2000, 2048)) + [7, 7, 7]
+        for r in replicas:
+            d = ray_local.get(r.route.remote("acme", sibling))
+            assert d.group == first.group and d.cached_tokens == 48
+        assert ray_local.get(replicas[1].match.remote("globex", prompt)) == {}
+    finally:
+        g1.shutdown()

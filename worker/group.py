@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.events import KVEvent, ListSink
+from common.events import AllCleared, BlockStored, EventLog, KVEvent
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
@@ -45,7 +45,7 @@ class RankActor:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.engine: Engine | None = None
-        self.events = ListSink()
+        self.events = EventLog()
         self.error: str | None = None
         self._lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -143,8 +143,16 @@ class RankActor:
         assert self.engine is not None
         return self.engine.stats()
 
-    def drain_events(self) -> list[KVEvent]:
-        return self.events.drain()
+    def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
+        """KV events from ``offset`` on, and the offset to ask for next. A reader that fell too far behind
+        gets a snapshot instead: ``AllCleared`` then every key the pool holds now."""
+        assert self.engine is not None
+        events = self.events.read(offset)
+        if events is None:
+            with self._lock:
+                keys = list(self.engine.kv.pool.key_to_block)
+            events = [AllCleared(), BlockStored(keys, None)]
+        return events, self.events.end
 
     def health(self) -> str | None:
         """None when healthy, else the reason the group failed."""
@@ -275,8 +283,9 @@ class WorkerGroup:
     def stats(self) -> EngineStats:
         return self._unwrap(lambda: ray.get(self.leader.stats.remote()))
 
-    def drain_events(self) -> list[KVEvent]:
-        return self._unwrap(lambda: ray.get(self.leader.drain_events.remote()))
+    def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
+        """KV events from ``offset`` on and the next offset (see ``RankActor.read_events``)."""
+        return self._unwrap(lambda: ray.get(self.leader.read_events.remote(offset)))
 
     def shutdown(self) -> None:
         """Stop every rank and free the placement group."""

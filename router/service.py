@@ -1,0 +1,80 @@
+"""The router as a Ray component: one ``RouterService`` actor per replica, each with its own index copy, fed
+by reading every group's KV event log with its own cursors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from router.policy import GroupLoad
+from router.router import RouteDecision, Router
+
+
+class RouterService:
+    """Async routing for the gateways. ``leaders`` maps each group to its rank-0 actor handle."""
+
+    def __init__(
+        self,
+        leaders: dict,
+        secret: bytes | str,
+        block_size: int = 16,
+        policy: str = "kvgrid",
+        hash_algo: str = "xxh3_128",
+        poll_interval_s: float = 0.02,
+    ) -> None:
+        self.router = Router(list(leaders), secret, block_size, policy, hash_algo)
+        self.leaders = dict(leaders)
+        self.offsets = {g: 0 for g in leaders}
+        self.poll_interval_s = poll_interval_s
+        self._poller: asyncio.Task | None = None
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self) -> int:
+        """Read every group's new events into this replica's index; returns how many."""
+        groups = list(self.leaders)
+        replies = await asyncio.gather(
+            *(self.leaders[g].read_events.remote(self.offsets[g]) for g in groups), return_exceptions=True
+        )
+        n = 0
+        for g, reply in zip(groups, replies):
+            if isinstance(reply, BaseException) or g not in self.leaders:
+                continue  # a dead group: the supervisor removes or restarts it
+            events, self.offsets[g] = reply
+            for e in events:
+                self.router.apply_event(g, e)
+            n += len(events)
+        return n
+
+    async def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
+        self._ensure_poller()
+        return self.router.route(tenant, token_ids, request_id)
+
+    def on_prefill_done(self, request_id: str) -> None:
+        self.router.on_prefill_done(request_id)
+
+    def on_finish(self, request_id: str) -> None:
+        self.router.on_finish(request_id)
+
+    def match(self, tenant: str, token_ids: Sequence[int]) -> dict[str, int]:
+        """Leading blocks each group holds for this prompt (for inspection and tests)."""
+        return self.router.match(self.router.keys_for(tenant, token_ids))
+
+    def loads(self) -> dict[str, GroupLoad]:
+        return dict(self.router.loads)
+
+    def add_group(self, group: str, leader) -> None:
+        self.leaders[group], self.offsets[group] = leader, 0
+        self.router.add_group(group)
+
+    def remove_group(self, group: str) -> None:
+        self.leaders.pop(group, None)
+        self.offsets.pop(group, None)
+        self.router.remove_group(group)
