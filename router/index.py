@@ -57,11 +57,7 @@ class PrefixIndex:
             raise TypeError(f"not a KV event: {event!r}")
 
     def _drop(self, key: bytes, bit: int) -> None:
-        m = self._mask.get(key, 0) & ~bit
-        if m:
-            self._mask[key] = m
-        else:
-            self._mask.pop(key, None)
+        clear_bit(self._mask, key, bit)
 
     def remove_group(self, group: str) -> None:
         """Forget a group and every entry it had (at once)."""
@@ -95,6 +91,16 @@ class PrefixIndex:
         _record(runs, alive, n)
         by_bit = {b: g for g, b in self._bit.items()}
         return {by_bit[b]: k for b, k in runs.items() if k > 0}
+
+
+def clear_bit(masks: dict[bytes, int], key: bytes, bit: int) -> bool:
+    """Clear ``bit`` in ``masks[key]``; drop the key when no bit is left (returns whether it was dropped)."""
+    m = masks.get(key, 0) & ~bit
+    if m:
+        masks[key] = m
+        return False
+    masks.pop(key, None)
+    return True
 
 
 def _record(runs: dict[int, int], bits: int, n: int) -> None:

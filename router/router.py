@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from common.events import BlockStored, KVEvent
 from common.hashing import block_keys, iter_block_keys, tenant_root_key
-from router.index import PrefixIndex
+from router.index import PrefixIndex, clear_bit
 from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.transport import Subscription
 
@@ -203,11 +203,7 @@ class Router:
                     del self._predicted_until[k]
 
     def _unpredict(self, key: bytes, bit: int) -> None:
-        m = self._predicted.get(key, 0) & ~bit
-        if m:
-            self._predicted[key] = m
-        else:
-            self._predicted.pop(key, None)
+        if clear_bit(self._predicted, key, bit):
             self._predicted_until.pop(key, None)
 
 
