@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import xxhash
@@ -65,16 +66,41 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def iter_block_keys(
+class ChunkKeyCache:
+    """Remembers the keys of recently hashed chunks, by a digest of (parent key, chunk tokens): prompts that
+    come back (a conversation's next turn, a shared system prompt) skip rehashing their prefix. A digest
+    collision could only misdirect routing, never change what a worker computes (workers hash for themselves).
+    """
+
+    def __init__(self, max_chunks: int = 8192) -> None:
+        self.max_chunks = max_chunks
+        # Tuples of bytes: the garbage collector stops tracking them, so a large cache costs no GC time.
+        self._chunks: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+
+    def get(self, tag: bytes) -> tuple[bytes, ...] | None:
+        keys = self._chunks.get(tag)
+        if keys is not None:
+            self._chunks.move_to_end(tag)
+        return keys
+
+    def put(self, tag: bytes, keys: list[bytes]) -> None:
+        self._chunks[tag] = tuple(keys)
+        if len(self._chunks) > self.max_chunks:
+            self._chunks.popitem(last=False)
+
+
+def iter_key_chunks(
     token_ids: Sequence[int],
     block_size: int,
     parent: bytes,
     algo: str = "xxh3_128",
     start_block: int = 0,
     chunk_blocks: int = 64,
-) -> Iterator[bytes]:
-    """Chained keys of the full blocks of ``token_ids`` from block ``start_block`` on, computed lazily a chunk
-    at a time (a caller that stops early, like the router at the first block no group holds, hashes no more).
+    cache: ChunkKeyCache | None = None,
+) -> Iterator[Sequence[bytes]]:
+    """Chained keys of the full blocks of ``token_ids`` from block ``start_block`` on, computed lazily,
+    ``chunk_blocks`` at a time (a caller that stops early, like the router at the first block no group holds,
+    hashes no more).
 
     ``parent`` is the key of block ``start_block - 1`` (the tenant root key when ``start_block`` is 0).
     A trailing partial block gets no key.
@@ -88,9 +114,19 @@ def iter_block_keys(
     for first in range(start_block, n_full, chunk_blocks):
         last = min(first + chunk_blocks, n_full)
         data = _token_bytes(token_ids[first * block_size : last * block_size])
-        for off in range(0, len(data), step):
-            parent = digest(parent + data[off : off + step])
-            yield parent
+        tag = chunk = None
+        if cache is not None:
+            tag = xxhash.xxh3_128_digest(b"%s:%d:" % (algo.encode(), block_size) + parent + data)
+            chunk = cache.get(tag)
+        if chunk is None:
+            chunk = []
+            for off in range(0, len(data), step):
+                parent = digest(parent + data[off : off + step])
+                chunk.append(parent)
+            if cache is not None:
+                cache.put(tag, chunk)
+        parent = chunk[-1]
+        yield chunk
 
 
 def _sha256(data: bytes) -> bytes:
@@ -104,5 +140,5 @@ def block_keys(
     algo: str = "xxh3_128",
     start_block: int = 0,
 ) -> list[bytes]:
-    """All chained full-block keys (see ``iter_block_keys``)."""
-    return list(iter_block_keys(token_ids, block_size, parent, algo, start_block, chunk_blocks=1 << 30))
+    """All chained full-block keys (see ``iter_key_chunks``)."""
+    return [k for c in iter_key_chunks(token_ids, block_size, parent, algo, start_block, 1 << 30) for k in c]

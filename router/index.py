@@ -15,7 +15,9 @@ from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 class PrefixIndex:
     def __init__(self) -> None:
         self._mask: dict[bytes, int] = {}
-        self._keys_of: dict[str, set[bytes]] = {}
+        # Per-group keys as dicts of bytes -> None: unlike sets, such dicts are not traversed by the garbage
+        # collector, whose full passes over millions of keys would otherwise stall routing.
+        self._keys_of: dict[str, dict[bytes, None]] = {}
         self._bit: dict[str, int] = {}
         self._free_bits: list[int] = []
 
@@ -32,7 +34,7 @@ class PrefixIndex:
         if b is None:
             b = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
             self._bit[group] = b
-            self._keys_of[group] = set()
+            self._keys_of[group] = {}
         return b
 
     def group_of_bit(self, bit: int) -> str:
@@ -44,11 +46,11 @@ class PrefixIndex:
         if isinstance(event, BlockStored):
             for k in event.keys:
                 self._mask[k] = self._mask.get(k, 0) | b
-            keys.update(event.keys)
+            keys.update(dict.fromkeys(event.keys))
         elif isinstance(event, BlockRemoved):
             for k in event.keys:
                 self._drop(k, b)
-            keys.difference_update(event.keys)
+                keys.pop(k, None)
         elif isinstance(event, AllCleared):
             for k in keys:
                 self._drop(k, b)
@@ -74,20 +76,31 @@ class PrefixIndex:
     def keys_of(self, group: str) -> set[bytes]:
         return set(self._keys_of.get(group, ()))
 
-    def match(self, keys: Iterable[bytes], extra: dict[bytes, int] | None = None) -> dict[str, int]:
+    def match(self, keys: list[bytes], extra: dict[bytes, int] | None = None) -> dict[str, int]:
         """Blocks of the longest leading run each group holds (``extra``: more holders per key, e.g.
         predictions). Groups holding no leading block are absent."""
+        return self.match_chunks([keys], extra)
+
+    def match_chunks(self, chunks: Iterable[list[bytes]], extra: dict[bytes, int] | None = None) -> dict[str, int]:
+        """``match`` over keys that arrive in chunks (computed lazily: no chunk is asked for once no group is
+        left)."""
         runs: dict[int, int] = {}
         alive = sum(self._bit.values())
         mask, more = self._mask, extra or {}
         n = 0
-        for key in keys:
-            m = alive & (mask.get(key, 0) | more.get(key, 0))
-            _record(runs, alive & ~m, n)
-            alive = m
+        for chunk in chunks:
+            for key in chunk:
+                m = alive & mask.get(key, 0)
+                if m != alive and more:  # predictions matter only for groups the index just lost
+                    m |= alive & more.get(key, 0)
+                if m != alive:
+                    _record(runs, alive & ~m, n)
+                    alive = m
+                    if not alive:
+                        break
+                n += 1
             if not alive:
                 break
-            n += 1
         _record(runs, alive, n)
         by_bit = {b: g for g, b in self._bit.items()}
         return {by_bit[b]: k for b, k in runs.items() if k > 0}

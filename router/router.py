@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from common.events import BlockStored, KVEvent
-from common.hashing import block_keys, iter_block_keys, tenant_root_key
+from common.hashing import ChunkKeyCache, block_keys, iter_key_chunks, tenant_root_key
 from router.index import PrefixIndex, clear_bit
 from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.transport import Subscription
@@ -60,6 +60,7 @@ class Router:
         self.events = events
         self.clock = clock
         self._roots: dict[str, bytes] = {}
+        self._chunk_cache = ChunkKeyCache()
         self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
         self._predicted_until: dict[bytes, float] = {}  # key -> when its latest prediction lapses
         self._expiry: deque[tuple[float, list[bytes]]] = deque()
@@ -115,24 +116,28 @@ class Router:
 
     def match(self, keys: list[bytes]) -> dict[str, int]:
         """Leading blocks each group holds, counting unexpired predictions."""
+        return self._match_chunks([keys])
+
+    def _match_chunks(self, chunks) -> dict[str, int]:
         self._expire()
-        return self.index.match(keys, self._predicted)
+        return self.index.match_chunks(chunks, self._predicted)
 
     def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
         """Pick a group for this tenant's prompt. Keys are hashed lazily: a prompt whose leading blocks no
         group holds costs a few hashes, not one per block."""
         self.poll_events()
-        lazy = iter_block_keys(token_ids, self.block_size, self.root_key(tenant), self.hash_algo)
+        root = self.root_key(tenant)
+        lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
         return self._route(_Tee(lazy), len(token_ids), request_id)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
-        return self._route(_Tee(iter(keys)), num_tokens, request_id)
+        return self._route(_Tee(iter([keys])), num_tokens, request_id)
 
     def _route(self, keys: _Tee, num_tokens: int, request_id: str | None) -> RouteDecision:
         if not self.loads:
             raise RuntimeError("no worker group to route to")
-        cached = self.match(keys)
+        cached = self._match_chunks(keys)
         self._decay_recent()
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
         group = self.policy.choose(req, self.loads)
@@ -208,23 +213,23 @@ class Router:
 
 
 class _Tee:
-    """Iterates lazily computed keys and remembers those already produced."""
+    """Iterates lazily computed key chunks and remembers the keys already produced."""
 
-    def __init__(self, it: Iterator[bytes]) -> None:
-        self.it = it
+    def __init__(self, chunks: Iterator[list[bytes]]) -> None:
+        self.chunks = chunks
         self.seen: list[bytes] = []
 
-    def __iter__(self) -> Iterator[bytes]:
-        for k in self.it:
-            self.seen.append(k)
-            yield k
+    def __iter__(self) -> Iterator[list[bytes]]:
+        for chunk in self.chunks:
+            self.seen.extend(chunk)
+            yield chunk
 
     def take(self, n: int | None) -> list[bytes]:
         """The first ``n`` keys (all if ``n`` is None; fewer if the prompt has fewer), computing any not
         produced yet."""
         while n is None or len(self.seen) < n:
-            k = next(self.it, None)
-            if k is None:
+            chunk = next(self.chunks, None)
+            if chunk is None:
                 break
-            self.seen.append(k)
+            self.seen.extend(chunk)
         return self.seen if n is None else self.seen[:n]

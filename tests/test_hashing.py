@@ -84,3 +84,19 @@ def test_keys_do_not_depend_on_the_process_or_hash_seed():
 def test_bad_arguments_raise_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_chunk_cache_returns_the_same_keys_and_is_keyed_by_the_parent():
+    from common.hashing import ChunkKeyCache, iter_key_chunks
+
+    cache = ChunkKeyCache(max_chunks=4)
+    root = tenant_root_key(b"s", "acme")
+    tokens = list(range(3000))
+    plain = block_keys(tokens, 16, root)
+    for _ in range(2):  # cold, then from the cache
+        assert [k for c in iter_key_chunks(tokens, 16, root, chunk_blocks=8, cache=cache) for k in c] == plain
+    other = tenant_root_key(b"s", "globex")
+    assert [k for c in iter_key_chunks(tokens, 16, other, chunk_blocks=8, cache=cache) for k in c] == block_keys(
+        tokens, 16, other
+    )
+    assert len(cache._chunks) == 4
