@@ -17,6 +17,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_pinned_tokens: int = 0  # prompt tokens this request pinned or refreshed (explicit cache entry)
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None
     ttft: float | None = None  # seconds from arrival to the first output token

@@ -129,6 +129,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(12, BS, "xxh3_128", ListSink())
         self.live: list[Sequence] = []
         self.n = 0
+        self.now = 0.0
 
     @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=9))
     def admit(self, base: list[int], cut: int, tail: list[int]) -> None:
@@ -159,6 +160,20 @@ class PoolMachine(RuleBasedStateMachine):
     def finish(self, i: int) -> None:
         self.kv.release(self.live.pop(i % len(self.live)))
 
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), ttl=st.floats(0.5, 5.0), limit=st.one_of(st.none(), st.integers(0, 4)))
+    def pin(self, i: int, ttl: float, limit: int | None) -> None:
+        seq = self.live[i % len(self.live)]
+        before = self.kv.pool.pinned_blocks_of["acme"]
+        self.kv.pool.pin(seq.block_keys[: seq.num_registered_blocks], self.now + ttl, "acme", limit)
+        if limit is not None:  # a limit stops new pins, never refreshes
+            assert self.kv.pool.pinned_blocks_of["acme"] <= max(before, limit)
+
+    @rule(dt=st.floats(0.0, 3.0))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+        self.kv.pool.expire_pins(self.now)
+
     @invariant()
     def pool_is_consistent(self) -> None:
         pool = self.kv.pool
@@ -167,6 +182,9 @@ class PoolMachine(RuleBasedStateMachine):
         for seq in self.live:
             for b in seq.block_table:
                 refs[b.block_id] += 1
+        for block_id, (until, _) in pool.pins.items():
+            refs[block_id] += 1
+            assert pool.blocks[block_id].key is not None
         for b in pool.blocks:
             assert b.ref_cnt >= 0
             assert b.ref_cnt == refs[b.block_id]
@@ -180,6 +198,7 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for seq in self.live:
             self.kv.release(seq)
+        self.kv.pool.expire_pins(self.now + 1e9)
         assert self.kv.pool.num_free == self.kv.pool.num_blocks
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
 

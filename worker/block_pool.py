@@ -8,6 +8,8 @@ it). Only when a fresh block is needed is the least recently freed block popped 
 
 from __future__ import annotations
 
+import heapq
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -70,9 +72,10 @@ class FreeBlockQueue:
 
 
 class PoolUsage(NamedTuple):
-    used: int
-    cached: int
+    used: int  # referenced by a request or a pin
+    cached: int  # unreferenced, still holding a key (evictable)
     free: int
+    pinned: int
 
 
 class BlockPool:
@@ -86,6 +89,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.key_to_block: dict[bytes, Block] = {}
         self.sink = sink
+        # Pins: explicit cache entries. A pinned block holds one reference until its deadline.
+        self.pins: dict[int, tuple[float, str]] = {}  # block id -> (until, tenant)
+        self._pin_deadlines: list[tuple[float, int]] = []
+        self.pinned_blocks_of: dict[str, int] = defaultdict(int)
 
     @property
     def num_free(self) -> int:
@@ -158,6 +165,43 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
+    def pin(self, keys: list[bytes], until: float, tenant: str, limit_blocks: int | None = None) -> int:
+        """Keep the cached blocks of ``keys`` resident until ``until`` (a ``time.monotonic`` deadline): a pin
+        holds a reference, so the block never reaches the free queue. Pinning a pinned block moves its deadline
+        later (a refresh). Stops at the first key not cached or beyond the tenant's ``limit_blocks``; returns
+        how many leading keys are pinned."""
+        n = 0
+        for key in keys:
+            b = self.key_to_block.get(key)
+            if b is None:
+                break
+            cur = self.pins.get(b.block_id)
+            if cur is None:
+                if limit_blocks is not None and self.pinned_blocks_of[tenant] >= limit_blocks:
+                    break
+                self.touch([b])
+                self.pinned_blocks_of[tenant] += 1
+                self.pins[b.block_id] = (until, tenant)
+            elif until > cur[0]:
+                self.pins[b.block_id] = (until, cur[1])
+            heapq.heappush(self._pin_deadlines, (until, b.block_id))
+            n += 1
+        return n
+
+    def expire_pins(self, now: float) -> int:
+        """Release pins whose deadline has passed (their blocks become ordinary cached blocks)."""
+        released = 0
+        heap = self._pin_deadlines
+        while heap and heap[0][0] <= now:
+            _, block_id = heapq.heappop(heap)
+            cur = self.pins.get(block_id)
+            if cur is not None and cur[0] <= now:
+                del self.pins[block_id]
+                self.pinned_blocks_of[cur[1]] -= 1
+                self.free([self.blocks[block_id]])
+                released += 1
+        return released
+
     def reset(self) -> bool:
         """Forget every cached key. Only possible while no block is in use; returns whether it happened."""
         if self.num_free != self.num_blocks:
@@ -172,4 +216,4 @@ class BlockPool:
     def usage(self) -> PoolUsage:
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         cached = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.key is not None)
-        return PoolUsage(used, cached, self.num_blocks - used - cached)
+        return PoolUsage(used, cached, self.num_blocks - used - cached, len(self.pins))

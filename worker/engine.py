@@ -54,6 +54,7 @@ class EngineConfig:
     hash_algo: str = "xxh3_128"
     secret: bytes | str | None = None
     seed: int = 0
+    max_pinned_tokens_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -76,6 +77,7 @@ class EngineStats:
     blocks_used: int
     blocks_cached: int
     blocks_free: int
+    blocks_pinned: int
     num_preemptions: int
     computed_tokens: int
     prefix_cache: dict[str, PrefixCacheStats]
@@ -138,8 +140,14 @@ class Engine:
         params: SamplingParams | None = None,
         tenant: str = "default",
         request_id: str | None = None,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = 300.0,
     ) -> str:
-        """Queue a request; raises ``ValueError`` (and changes nothing) if it is malformed or can never fit."""
+        """Queue a request; raises ``ValueError`` (and changes nothing) if it is malformed or can never fit.
+
+        ``pin_tokens``: keep the full blocks of the first ``pin_tokens`` prompt tokens cached for ``pin_ttl_s``
+        seconds after this request computes or hits them (an explicit cache entry; a hit refreshes it), within
+        the tenant's ``max_pinned_tokens_per_tenant``."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -153,7 +161,10 @@ class Engine:
                 f"request needs up to {longest} tokens of KV cache but the cache holds only "
                 f"{self.num_blocks * self.config.block_size}; lower max_tokens or shorten the prompt"
             )
+        if not 0 <= pin_tokens <= len(prompt) or pin_ttl_s <= 0:
+            raise ValueError("pin_tokens must be within the prompt and pin_ttl_s positive")
         seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant), self.config.block_size)
+        seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -190,6 +201,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, compute, sample, and report every request that produced tokens."""
+        now = time.monotonic()
+        self.kv.pool.expire_pins(now)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -198,6 +211,8 @@ class Engine:
         results = self.sampler(logits, done) if done else []
         for seq, n in batch:
             self.scheduler.on_computed(seq, n)
+            if seq.pin_blocks > seq.num_pinned_blocks and seq.num_registered_blocks > seq.num_pinned_blocks:
+                self._pin(seq, now)
         now = time.perf_counter()
         outputs = []
         for seq, res in zip(done, results):
@@ -206,6 +221,15 @@ class Engine:
             if seq.is_finished:
                 del self._seqs[seq.request_id]
         return outputs
+
+    def _pin(self, seq: Sequence, now: float) -> None:
+        """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
+        upto = min(seq.pin_blocks, seq.num_registered_blocks)
+        limit = self.config.max_pinned_tokens_per_tenant
+        seq.num_pinned_blocks = self.kv.pool.pin(
+            seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant,
+            None if limit is None else limit // self.config.block_size,
+        )
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
         seq.token_ids.append(tok)
@@ -256,6 +280,7 @@ class Engine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            num_pinned_tokens=seq.num_pinned_blocks * self.config.block_size,
             logprobs=list(seq.logprobs) if want_lp else None,
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
@@ -298,6 +323,7 @@ class Engine:
                         return
 
     def stats(self) -> EngineStats:
+        self.kv.pool.expire_pins(time.monotonic())
         usage = self.kv.pool.usage()
         sched = self.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
@@ -309,6 +335,7 @@ class Engine:
             blocks_used=usage.used,
             blocks_cached=usage.cached,
             blocks_free=usage.free,
+            blocks_pinned=usage.pinned,
             num_preemptions=sched.num_preemptions,
             computed_tokens=sched.num_computed_tokens,
             prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},

@@ -78,7 +78,13 @@ class RankActor:
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, tenant: str, request_id: str | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        tenant: str,
+        request_id: str | None,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = 300.0,
     ) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise GroupUnhealthyError(self.error)
@@ -87,7 +93,7 @@ class RankActor:
             self._wake = asyncio.Event()
             asyncio.get_running_loop().create_task(self._step_loop())
         with self._lock:
-            rid = self.engine.add_request(prompt, params, tenant, request_id)
+            rid = self.engine.add_request(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._wake.set()
@@ -236,9 +242,13 @@ class WorkerGroup:
         params: SamplingParams | None = None,
         tenant: str = "default",
         request_id: str | None = None,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = 300.0,
     ) -> Iterator[RequestOutput]:
         """Outputs of one request as the group produces them (blocking iterator)."""
-        gen = self.leader.generate.remote(list(prompt), params or SamplingParams(), tenant, request_id)
+        gen = self.leader.generate.remote(
+            list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s
+        )
         for ref in gen:
             yield self._unwrap(lambda: ray.get(ref))
 
@@ -248,9 +258,13 @@ class WorkerGroup:
         params: SamplingParams | None = None,
         tenant: str = "default",
         request_id: str | None = None,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = 300.0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the group produces them (for the router's event loop)."""
-        gen = self.leader.generate.remote(list(prompt), params or SamplingParams(), tenant, request_id)
+        gen = self.leader.generate.remote(
+            list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s
+        )
         async for ref in gen:
             try:
                 yield await ref

@@ -45,6 +45,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.admitted = False
         self.num_preemptions = 0
+        self.pin_blocks = 0  # leading full blocks to pin once computed or hit
+        self.pin_ttl_s = 0.0
+        self.num_pinned_blocks = 0
         self.finish_reason: str | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
