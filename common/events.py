@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Protocol
 
 
@@ -46,29 +47,30 @@ class ListSink:
 
 
 class EventLog:
-    """A bounded log with absolute offsets: any number of readers follow it with their own cursor.
+    """A bounded log with absolute offsets: any number of readers follow it with their own cursor, from other
+    threads than the publisher's.
 
-    A reader that fell behind what the log still holds gets ``None`` from ``read`` and must resynchronise
-    from a snapshot (the publisher's current keys)."""
+    A reader whose cursor is not in the log any more (trimmed, or from before a restart) gets ``None`` from
+    ``read`` and must resynchronise from a snapshot (the publisher's current keys)."""
 
     def __init__(self, max_events: int = 100_000) -> None:
         self.max_events = max_events
         self._events: list[KVEvent] = []
         self._base = 0
+        self._lock = threading.Lock()
 
     def publish(self, event: KVEvent) -> None:
-        self._events.append(event)
-        if len(self._events) > 2 * self.max_events:
-            drop = len(self._events) - self.max_events
-            del self._events[:drop]
-            self._base += drop
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) > 2 * self.max_events:
+                drop = len(self._events) - self.max_events
+                del self._events[:drop]
+                self._base += drop
 
-    @property
-    def end(self) -> int:
-        return self._base + len(self._events)
-
-    def read(self, offset: int) -> list[KVEvent] | None:
-        """Events from ``offset`` to the end, or None if some of them were trimmed."""
-        if offset < self._base:
-            return None
-        return self._events[offset - self._base :]
+    def read(self, offset: int) -> tuple[list[KVEvent] | None, int]:
+        """Events from ``offset`` to the end (None if the cursor is not in the log) and the end offset."""
+        with self._lock:
+            end = self._base + len(self._events)
+            if not self._base <= offset <= end:
+                return None, end
+            return self._events[offset - self._base :], end

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick output tokens for one request.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
+    ``temperature`` below 1e-5 is greedy (dividing logits by less overflows). ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
     sampled request reproducible on its own, whatever else is in the batch. ``stop`` strings end the output
     (and are cut from the text); ``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS end it too (the
     token stays in ``token_ids``, as in transformers' ``generate``). ``logprobs``: ``None`` for none, ``0`` for
@@ -55,4 +55,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5

@@ -28,6 +28,7 @@ class RouteRequest:
 
 class RoutingPolicy(ABC):
     name: str
+    needs_all_keys = False  # True: RouteRequest.keys must hold every block's key, not only those matched
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
@@ -117,6 +118,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
     the least loaded group."""
 
     name = "prefix_affinity"
+    needs_all_keys = True
 
     def __init__(
         self,

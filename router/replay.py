@@ -129,7 +129,7 @@ class _GroupSink:
 def reference_hit_ratios(trace: list[TraceRequest], capacity_tokens: int, block_size: int) -> tuple[float, float]:
     """(pooled LRU of ``capacity_tokens``, infinite cache) token hit ratios, in file order."""
     pool = BlockPool(max(1, capacity_tokens // block_size))
-    seen: set[bytes] = set()
+    seen: set[bytes] = set()  # the infinite cache, also of full blocks only
     lru_hit = inf_hit = total = 0
     for r in trace:
         total += r.input_length
@@ -139,7 +139,7 @@ def reference_hit_ratios(trace: list[TraceRequest], capacity_tokens: int, block_
                 break
             n += 1
         inf_hit += min(n * block_size, r.input_length)
-        seen.update(r.keys)
+        seen.update(r.keys[: r.input_length // block_size])
         hits = []
         for k in r.keys:
             b = pool.lookup(k)
@@ -148,7 +148,9 @@ def reference_hit_ratios(trace: list[TraceRequest], capacity_tokens: int, block_
             hits.append(b)
         lru_hit += min(len(hits) * block_size, r.input_length)
         pool.touch(hits)
-        fresh = pool.allocate(min(len(r.keys) - len(hits), pool.num_free))
+        # Like the simulated groups, cache full blocks only (a trailing partial block is computed, not kept).
+        full = r.input_length // block_size
+        fresh = pool.allocate(min(max(0, full - len(hits)), pool.num_free))
         pool.cache(fresh, r.keys[len(hits) : len(hits) + len(fresh)], r.keys[len(hits) - 1] if hits else None)
         pool.free(reversed(hits + fresh))
     return lru_hit / total, inf_hit / total

@@ -62,8 +62,8 @@ class Router:
         self._roots: dict[str, bytes] = {}
         self._chunk_cache = ChunkKeyCache()
         self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
-        self._predicted_until: dict[bytes, float] = {}  # key -> when its latest prediction lapses
-        self._expiry: deque[tuple[float, list[bytes]]] = deque()
+        self._predicted_until: dict[tuple[bytes, int], float] = {}  # (key, bit) -> when it lapses
+        self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
         self._ids = itertools.count()
         for g in groups:
@@ -82,6 +82,9 @@ class Router:
         self.loads.pop(group, None)
         for key in [k for k, m in self._predicted.items() if m & bit]:
             self._unpredict(key, bit)
+        # Its requests must not touch the load of a new group that reuses the name.
+        for rid in [r for r, f in self._inflight.items() if f.group == group]:
+            del self._inflight[rid]
 
     def apply_event(self, group: str, event: KVEvent) -> None:
         if group not in self.loads:
@@ -139,6 +142,8 @@ class Router:
             raise RuntimeError("no worker group to route to")
         cached = self._match_chunks(keys)
         self._decay_recent()
+        if self.policy.needs_all_keys:
+            keys.take(None)
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
         group = self.policy.choose(req, self.loads)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
@@ -195,21 +200,21 @@ class Router:
         fresh = [k for k in keys if not held(k) & bit]
         for k in fresh:
             predicted[k] = predicted.get(k, 0) | bit
-            pred_until[k] = until
+            pred_until[(k, bit)] = until
         if fresh:
-            self._expiry.append((until, fresh))
+            self._expiry.append((until, bit, fresh))
 
     def _expire(self) -> None:
         now = self.clock()
         while self._expiry and self._expiry[0][0] <= now:
-            for k in self._expiry.popleft()[1]:
-                if self._predicted_until.get(k, now + 1) <= now:
-                    self._predicted.pop(k, None)
-                    del self._predicted_until[k]
+            _, bit, keys = self._expiry.popleft()
+            for k in keys:
+                if self._predicted_until.get((k, bit), now + 1) <= now:  # not renewed since
+                    self._unpredict(k, bit)
 
     def _unpredict(self, key: bytes, bit: int) -> None:
-        if clear_bit(self._predicted, key, bit):
-            self._predicted_until.pop(key, None)
+        clear_bit(self._predicted, key, bit)
+        self._predicted_until.pop((key, bit), None)
 
 
 class _Tee:

@@ -202,3 +202,17 @@ def test_request_that_can_never_fit_gets_a_clear_error(demo_path):
     with pytest.raises(ValueError, match="KV cache"):
         engine.add_request(list(range(60)), SamplingParams(max_tokens=20))
     assert not engine.has_unfinished()
+
+
+def test_generate_queues_nothing_when_a_later_prompt_is_bad(demo_path):
+    engine = engine_for(demo_path, num_blocks=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.generate([[1, 2, 3], list(range(60))], SamplingParams(max_tokens=20))
+    assert not engine.has_unfinished()
+
+
+def test_a_request_filling_the_cache_exactly_is_accepted(demo_path):
+    engine = engine_for(demo_path, num_blocks=1)
+    # 16 prompt tokens and one output token: only the 16 prompt tokens ever need K/V.
+    out = engine.generate([list(range(16))], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert len(out.token_ids) == 1

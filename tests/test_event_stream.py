@@ -79,3 +79,15 @@ def test_a_restarted_group_clears_what_readers_knew(redis_client):
     RedisStreamSink(redis_client, "g0")  # the group restarts: a new history begins with AllCleared
     router.poll_events()
     assert router.index.holders(k(1)) == 0
+
+
+def test_event_log_sends_stale_or_trimmed_cursors_to_a_snapshot():
+    from common.events import EventLog
+
+    log = EventLog(max_events=2)
+    for i in range(5):
+        log.publish(BlockStored([k(i)], None))
+    events, end = log.read(0)
+    assert events is None and end == 5  # trimmed: rebuild from a snapshot
+    assert log.read(end + 3) == (None, end)  # a cursor from before a restart
+    assert log.read(4) == ([BlockStored([k(4)], None)], 5)

@@ -80,3 +80,11 @@ def test_bad_pin_arguments_raise(make_engine):
         engine.add_request([1, 2, 3], ONE, pin_tokens=10)
     with pytest.raises(ValueError, match="pin"):
         engine.add_request([1, 2, 3], ONE, pin_tokens=2, pin_ttl_s=0)
+
+
+def test_pins_never_take_more_than_their_share_of_the_cache(make_engine):
+    engine = make_engine(max_pinned_fraction=0.25)  # 5 of 20 blocks
+    out = run(engine, list(range(3000, 3128)) + [1], pin_tokens=128, pin_ttl_s=60)
+    assert out.num_pinned_tokens == 5 * 16 and engine.stats().blocks_pinned == 5
+    # Another request needing the rest of the cache still runs.
+    assert len(run(engine, list(range(200, 420))).token_ids) == 1

@@ -174,3 +174,24 @@ def test_replay_command_prints_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--trace", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "not a trace record" in out.stderr
+
+
+def test_a_restarted_group_under_the_same_name_starts_with_zero_load():
+    router = Router(["g0"], SECRET)
+    d = router.route("acme", list(range(64)))
+    router.remove_group("g0")
+    router.add_group("g0")
+    router.on_prefill_done(d.request_id)
+    router.on_finish(d.request_id)
+    assert router.loads["g0"].queued_prefill_tokens == 0 and router.loads["g0"].running == 0
+
+
+def test_a_prediction_lapses_per_group_even_when_another_group_renews_the_key():
+    now = [0.0]
+    router = Router(["g0", "g1"], SECRET, prediction_ttl_s=10.0, clock=lambda: now[0])
+    keys = router.keys_for("acme", list(range(32)))
+    router._predict(keys, "g0")
+    now[0] = 5.0
+    router._predict(keys, "g1")
+    now[0] = 12.0
+    assert router.match(keys) == {"g1": 2}

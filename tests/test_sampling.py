@@ -103,3 +103,9 @@ def test_abort_releases_the_request(engine):
     assert engine.stats().blocks_used > 0
     assert engine.abort(rid) and not engine.abort(rid)
     assert engine.stats().blocks_used == 0 and not engine.has_unfinished()
+
+
+def test_a_vanishing_temperature_is_greedy_and_does_not_break_the_step(engine):
+    expected = greedy(engine).token_ids
+    p = SamplingParams(max_tokens=12, temperature=1e-39, ignore_eos=True)
+    assert engine.generate([PROMPT], p)[0].token_ids == expected

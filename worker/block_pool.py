@@ -165,11 +165,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def pin(self, keys: list[bytes], until: float, tenant: str, limit_blocks: int | None = None) -> int:
+    def pin(
+        self,
+        keys: list[bytes],
+        until: float,
+        tenant: str,
+        limit_blocks: int | None = None,
+        total_limit_blocks: int | None = None,
+    ) -> int:
         """Keep the cached blocks of ``keys`` resident until ``until`` (a ``time.monotonic`` deadline): a pin
         holds a reference, so the block never reaches the free queue. Pinning a pinned block moves its deadline
         later (a refresh). Stops at the first key not cached or beyond the tenant's ``limit_blocks``; returns
-        how many leading keys are pinned."""
+        how many leading keys are pinned. ``total_limit_blocks`` caps pins over all tenants."""
         n = 0
         for key in keys:
             b = self.key_to_block.get(key)
@@ -179,12 +186,15 @@ class BlockPool:
             if cur is None:
                 if limit_blocks is not None and self.pinned_blocks_of[tenant] >= limit_blocks:
                     break
+                if total_limit_blocks is not None and len(self.pins) >= total_limit_blocks:
+                    break
                 self.touch([b])
                 self.pinned_blocks_of[tenant] += 1
                 self.pins[b.block_id] = (until, tenant)
+                heapq.heappush(self._pin_deadlines, (until, b.block_id))
             elif until > cur[0]:
                 self.pins[b.block_id] = (until, cur[1])
-            heapq.heappush(self._pin_deadlines, (until, b.block_id))
+                heapq.heappush(self._pin_deadlines, (until, b.block_id))
             n += 1
         return n
 

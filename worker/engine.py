@@ -55,6 +55,7 @@ class EngineConfig:
     secret: bytes | str | None = None
     seed: int = 0
     max_pinned_tokens_per_tenant: int | None = None
+    max_pinned_fraction: float = 0.5  # of all blocks, over every tenant: pins never starve requests
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -147,15 +148,27 @@ class Engine:
 
         ``pin_tokens``: keep the full blocks of the first ``pin_tokens`` prompt tokens cached for ``pin_ttl_s``
         seconds after this request computes or hits them (an explicit cache entry; a hit refreshes it), within
-        the tenant's ``max_pinned_tokens_per_tenant``."""
+        the tenant's ``max_pinned_tokens_per_tenant`` and ``max_pinned_fraction`` of the cache overall."""
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = self._check_prompt(prompt_token_ids)
+        prompt = self.validate(prompt_token_ids, params, pin_tokens, pin_ttl_s)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant), self.config.block_size)
+        seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def validate(
+        self, prompt_token_ids: Seq[int], params: SamplingParams, pin_tokens: int = 0, pin_ttl_s: float = 300.0
+    ) -> list[int]:
+        """Check a request without queuing it; returns the prompt as a list or raises ``ValueError``."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_token_ids)
+        # The last token's K/V is never needed: it is sampled, not computed.
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len) - 1
         if -(-longest // self.config.block_size) > self.num_blocks:
             raise ValueError(
                 f"request needs up to {longest} tokens of KV cache but the cache holds only "
@@ -163,11 +176,7 @@ class Engine:
             )
         if not 0 <= pin_tokens <= len(prompt) or pin_ttl_s <= 0:
             raise ValueError("pin_tokens must be within the prompt and pin_ttl_s positive")
-        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant), self.config.block_size)
-        seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return prompt
 
     def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         if isinstance(prompt_token_ids, (str, bytes)):
@@ -205,6 +214,8 @@ class Engine:
         self.kv.pool.expire_pins(now)
         batch = self.scheduler.schedule()
         if not batch:
+            if self.has_unfinished():
+                time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
         logits = self.runner.run(batch)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
@@ -229,7 +240,10 @@ class Engine:
         seq.num_pinned_blocks = self.kv.pool.pin(
             seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant,
             None if limit is None else limit // self.config.block_size,
+            int(self.config.max_pinned_fraction * self.num_blocks),
         )
+        if seq.num_pinned_blocks < upto:  # a limit was reached: stop asking for this request
+            seq.pin_blocks = seq.num_pinned_blocks
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
         seq.token_ids.append(tok)
@@ -300,8 +314,8 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        for p in prompts:
-            self._check_prompt(p)
+        for p, sp in zip(prompts, params):
+            self.validate(p, sp)
         ids = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
@@ -323,7 +337,6 @@ class Engine:
                         return
 
     def stats(self) -> EngineStats:
-        self.kv.pool.expire_pins(time.monotonic())
         usage = self.kv.pool.usage()
         sched = self.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.waiting, *sched.running]

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -92,8 +92,7 @@ class RankActor:
         if self._wake is None:
             self._wake = asyncio.Event()
             asyncio.get_running_loop().create_task(self._step_loop())
-        with self._lock:
-            rid = self.engine.add_request(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s)
+        rid = await self._locked(self.engine.add_request, prompt, params, tenant, request_id, pin_tokens, pin_ttl_s)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._wake.set()
@@ -108,13 +107,16 @@ class RankActor:
         finally:
             self._queues.pop(rid, None)
             if not finished and self.error is None:
-                with self._lock:
-                    self.engine.abort(rid)
+                await self._locked(self.engine.abort, rid)
 
-    def _step(self) -> list[RequestOutput]:
-        assert self.engine is not None
+    def _call_locked(self, fn, *args):
         with self._lock:
-            return self.engine.step()
+            return fn(*args)
+
+    async def _locked(self, fn, *args):
+        """Run ``fn`` under the engine lock from a worker thread: the event loop never waits on a step (so
+        ``health`` and ``mark_unhealthy`` answer even while a step hangs in a collective)."""
+        return await asyncio.to_thread(self._call_locked, fn, *args)
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._wake is not None
@@ -124,7 +126,7 @@ class RankActor:
                 await self._wake.wait()
                 continue
             try:
-                outs = await asyncio.to_thread(self._step)
+                outs = await self._locked(self.engine.step)
             except Exception as exc:  # a collective failed: a peer rank is gone
                 self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
                 return
@@ -140,25 +142,23 @@ class RankActor:
         for queue in self._queues.values():
             queue.put_nowait(GroupUnhealthyError(self.error))
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
         assert self.engine is not None
-        with self._lock:
-            return self.engine.abort(request_id)
+        return await self._locked(self.engine.abort, request_id)
 
-    def stats(self) -> EngineStats:
+    async def stats(self) -> EngineStats:
         assert self.engine is not None
-        return self.engine.stats()
+        return await self._locked(self.engine.stats)
 
-    def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
+    async def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
         """KV events from ``offset`` on, and the offset to ask for next. A reader that fell too far behind
         gets a snapshot instead: ``AllCleared`` then every key the pool holds now."""
         assert self.engine is not None
-        events = self.events.read(offset)
+        events, end = self.events.read(offset)
         if events is None:
-            with self._lock:
-                keys = list(self.engine.kv.pool.key_to_block)
+            keys = await self._locked(lambda: list(self.engine.kv.pool.key_to_block))
             events = [AllCleared(), BlockStored(keys, None)]
-        return events, self.events.end
+        return events, end
 
     def health(self) -> str | None:
         """None when healthy, else the reason the group failed."""
@@ -221,19 +221,19 @@ class WorkerGroup:
             reason = f"rank {self._follows.index(ref) + 1} stopped"
             try:
                 ray.get(ref)
-            except (RayActorError, RayTaskError) as exc:
+            except RayError as exc:
                 reason = f"rank {self._follows.index(ref) + 1} died: {type(exc).__name__}"
             self._tell_leader(reason)
             return reason
         try:
             return ray.get(self.leader.health.remote(), timeout=30)
-        except (RayActorError, RayTaskError) as exc:
-            return f"rank 0 died: {type(exc).__name__}"
+        except RayError as exc:  # dead, or too stuck to answer (GetTimeoutError)
+            return f"rank 0 is not answering: {type(exc).__name__}"
 
     def _tell_leader(self, reason: str) -> None:
         try:
             ray.get(self.leader.mark_unhealthy.remote(reason), timeout=30)
-        except (RayActorError, RayTaskError):
+        except RayError:
             pass
 
     def stream(
