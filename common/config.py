@@ -1,0 +1,138 @@
+"""The ``kvgrid serve`` configuration file (YAML), validated with pydantic.
+
+    model: demo            # or a path to an HF model folder
+    block_size: 16
+    groups: 2
+    tensor_parallel: 1
+    http: {host: 127.0.0.1, port: 8000}
+    tenants:
+      - name: acme
+        api_keys: [sk-acme-1]
+        cache: {mode: implicit, min_prefix_tokens: 64}
+      - name: globex
+        api_keys: [sk-globex-1]
+        cache: {mode: explicit, default_ttl: 5m}
+
+``load_config`` raises ``ConfigError`` with a message that names the offending field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the field."""
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds in ``value``: a number of seconds, or text like ``"90s"``, ``"5m"``, ``"1h"``."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be a number of seconds or text like '5m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if m is None:
+            raise ValueError(f"{value!r} is not a duration (use e.g. 30s, 5m, 1h)")
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CacheConfig(_Strict):
+    mode: Literal["implicit", "explicit"] = "implicit"
+    min_prefix_tokens: int = Field(1024, ge=1)
+    default_ttl: float = 300.0  # seconds; explicit pins and cached content without their own TTL
+    max_pinned_tokens: int | None = Field(None, ge=0)
+
+    @field_validator("default_ttl", mode="before")
+    @classmethod
+    def _ttl(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+
+class TenantConfig(_Strict):
+    name: str
+    api_keys: list[str] = Field(min_length=1)
+    cache: CacheConfig = CacheConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", v):
+            raise ValueError("must be 1-63 lowercase letters, digits, '-' or '_' (it becomes a URL path)")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        if any(len(k) < 8 for k in v):
+            raise ValueError("every API key must have at least 8 characters")
+        return v
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class ServeConfig(_Strict):
+    model: str = "demo"
+    block_size: int = Field(16, ge=1)
+    groups: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    kv_cache_bytes: int = Field(512 * 2**20, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    http: HttpConfig = HttpConfig()
+    tenants: list[TenantConfig] = Field(min_length=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("must be a power of two")
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self) -> ServeConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        keys = [k for t in self.tenants for k in t.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key may belong to one tenant only")
+        return self
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of fields")
+    try:
+        return ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        msg = first["msg"].removeprefix("Value error, ")
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(f"{path}: {where}: {msg}{more}") from exc

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, load_config, parse_duration
+
+GOOD = """
+model: demo
+block_size: 16
+groups: 2
+tensor_parallel: 1
+http: {host: 127.0.0.1, port: 8000}
+tenants:
+  - name: acme
+    api_keys: [sk-acme-1]
+    cache: {mode: implicit, min_prefix_tokens: 64}
+  - name: globex
+    api_keys: [sk-globex-1]
+    cache: {mode: explicit, default_ttl: 5m}
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "kvgrid.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_the_documented_example_loads(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    assert cfg.groups == 2 and cfg.http.port == 8000
+    assert cfg.tenants[0].cache.min_prefix_tokens == 64
+    assert cfg.tenants[1].cache.mode == "explicit" and cfg.tenants[1].cache.default_ttl == 300.0
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (("mode: implicit", "mode: sometimes"), "tenants.0.cache.mode"),
+        (("groups: 2", "groups: 0"), "groups"),
+        (("block_size: 16", "block_size: 24"), "block_size"),
+        (("default_ttl: 5m", "default_ttl: soon"), "tenants.1.cache.default_ttl"),
+        (("name: globex", "name: Globex Corp"), "tenants.1.name"),
+        (("sk-globex-1", "sk-acme-1"), "an API key may belong to one tenant only"),
+        (("port: 8000", "port: 99999"), "http.port"),
+        (("tensor_parallel: 1", "tensor_parallel: 1\ncolour: blue"), "colour"),
+    ],
+)
+def test_invalid_config_names_the_field(tmp_path, change, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(write(tmp_path, GOOD.replace(*change)))
+
+
+def test_unreadable_or_non_mapping_config(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- just\n- a list\n"))
+
+
+@pytest.mark.parametrize("text, seconds", [("5m", 300), ("1h", 3600), ("90s", 90), (45, 45), ("250ms", 0.25)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
