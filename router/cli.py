@@ -111,6 +111,12 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from router import serve
+
+    return serve.run(args.config, address=args.address, redis_url=args.redis)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -131,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--device", default="auto")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the model to every tenant of a config over HTTP (Ctrl-C stops)")
+    s.add_argument("--config", required=True, help="YAML config (see README)")
+    s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
+    s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
+    s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # ConfigError is a ValueError: exit code 2
         print(f"kvgrid: error: {exc}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,7 @@ class EngineConfig:
     secret: bytes | str | None = None
     seed: int = 0
     max_pinned_tokens_per_tenant: int | None = None
+    pinned_token_limits: dict[str, int] = field(default_factory=dict)  # per tenant, overrides the above
     max_pinned_fraction: float = 0.5  # of all blocks, over every tenant: pins never starve requests
 
     def __post_init__(self) -> None:
@@ -236,7 +237,7 @@ class Engine:
     def _pin(self, seq: Sequence, now: float) -> None:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
         upto = min(seq.pin_blocks, seq.num_registered_blocks)
-        limit = self.config.max_pinned_tokens_per_tenant
+        limit = self.config.pinned_token_limits.get(seq.tenant, self.config.max_pinned_tokens_per_tenant)
         seq.num_pinned_blocks = self.kv.pool.pin(
             seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant,
             None if limit is None else limit // self.config.block_size,

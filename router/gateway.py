@@ -1,0 +1,566 @@
+"""One tenant's HTTP gateway (a Ray Serve deployment): OpenAI- and Anthropic-compatible APIs, cached content
+objects, Prometheus metrics. It authenticates, tokenises, applies the tenant's cache policy, asks the router
+for a worker group, streams the group's outputs back, and records usage in Redis."""
+
+# No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
+
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+import xxhash
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.exceptions import RayError
+
+from common.config import ServeConfig, TenantConfig, parse_duration
+from common.model_config import load_tokenizer
+from common.outputs import RequestOutput
+from common.sampling import SamplingParams
+from router.apis import (
+    AnthropicMessage,
+    CachedContentPatch,
+    CachedContentRequest,
+    ChatRequest,
+    CompletionRequest,
+    ContentBlock,
+    MessagesRequest,
+    gemini_text,
+)
+from router.store import CachedContentStore, TenantStore, UsageLedger
+
+MAX_BODY_BYTES = 4 * 2**20
+MAX_BREAKPOINTS = 4
+
+app = FastAPI(title="kvgrid tenant gateway")
+
+
+class ApiError(Exception):
+    """An error answered in the calling API's own format."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", api: str = "openai") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.api = status, message, kind, api
+
+    def response(self) -> JSONResponse:
+        if self.api == "anthropic":
+            body: dict[str, Any] = {"type": "error", "error": {"type": self.kind, "message": self.message}}
+        else:
+            body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+def _api_of(path: str) -> str:
+    return "anthropic" if path.endswith("/messages") else "openai"
+
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def _err(status: int, message: str, api: str) -> ApiError:
+    kind = _KINDS.get(status, "api_error")
+    if api == "openai" and status == 401:
+        kind = "invalid_request_error"
+    return ApiError(status, message, kind, api)
+
+
+class _Metrics:
+    def __init__(self, tenant: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["tenant"]
+        self.requests = Counter("kvgrid_requests", "Requests served", lbl, registry=r)
+        self.prompt = Counter("kvgrid_prompt_tokens", "Prompt tokens", lbl, registry=r)
+        self.cached = Counter("kvgrid_cached_tokens", "Prompt tokens served from the prefix cache", lbl, registry=r)
+        self.output = Counter("kvgrid_output_tokens", "Output tokens", lbl, registry=r)
+        self.hit_rate = Gauge("kvgrid_prefix_hit_rate", "Cached / prompt tokens so far", lbl, registry=r)
+        self.predicted = Counter("kvgrid_router_predicted_cached_tokens", "Cached tokens the router expected", lbl,
+                                 registry=r)
+        self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl,
+                              registry=r)
+        g = ["group"]
+        self.group_running = Gauge("kvgrid_group_running", "Requests running on the group", g, registry=r)
+        self.group_waiting = Gauge("kvgrid_group_waiting", "Requests waiting on the group", g, registry=r)
+        self.group_queued = Gauge("kvgrid_group_queued_prefill_tokens", "Queued prefill tokens", g, registry=r)
+        self.group_free = Gauge("kvgrid_group_free_blocks", "Free KV blocks", g, registry=r)
+        self.group_cached = Gauge("kvgrid_group_cached_blocks", "Cached (evictable) KV blocks", g, registry=r)
+        self.tenant = tenant
+        self._prompt_total = self._cached_total = 0
+
+    def record(self, prompt: int, cached: int, output: int, predicted: int) -> None:
+        t = self.tenant
+        self.requests.labels(t).inc()
+        self.prompt.labels(t).inc(prompt)
+        self.cached.labels(t).inc(cached)
+        self.output.labels(t).inc(output)
+        self.predicted.labels(t).inc(predicted)
+        self.actual.labels(t).inc(cached)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
+
+
+async def _primed(run):
+    """Start ``run`` now (so its first error surfaces before a response is sent) and return an equivalent."""
+    first = await run.__anext__()
+
+    async def rest():
+        yield first
+        async for item in run:
+            yield item
+
+    return rest()
+
+
+async def _last(run) -> tuple[RequestOutput, int]:
+    out = None
+    async for out in run:
+        pass
+    assert out is not None
+    return out
+
+
+def _openai_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _anthropic_blocks(m: AnthropicMessage) -> list[ContentBlock]:
+    return [ContentBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+
+
+def _stop_reason(out: RequestOutput, stops: list[str] | None) -> str:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stops and out.finish_reason == "stop" else "end_turn"
+
+
+def _int_bytes(tokens: list[int]) -> bytes:
+    return b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+# Serve captures this class when it is decorated: every module-level name it uses must be defined above.
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Gateway:
+    def __init__(
+        self, tenant: TenantConfig, config: ServeConfig, model_path: str, leaders: dict, router, redis_url: str
+    ) -> None:
+        self.tenant, self.config = tenant, config
+        self.model_id = config.model if config.model == "demo" else config.model.rstrip("/").split("/")[-1]
+        self.tokenizer = load_tokenizer(model_path)
+        self.max_model_len = config.max_model_len or self.tokenizer.model_max_length
+        self.leaders = leaders
+        self.router = router  # the RouterService actor
+        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = TenantStore(self.redis)
+        self.ledger = UsageLedger(self.redis)
+        self.contents = CachedContentStore(self.redis)
+        self.metrics = _Metrics(tenant.name)
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+
+    async def _body(self, request: Request, model: type[BaseModel], api: str) -> Any:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise _err(400, f"{where}: {first['msg']}", api) from None
+
+    def _auth(self, request: Request, api: str) -> None:
+        key = request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+        auth = request.headers.get("authorization", "")
+        if not key and auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        if not self.keys.authenticate(self.tenant.name, key):
+            raise _err(401, "invalid API key for this tenant", api)
+
+    def _check_model(self, model: str, api: str) -> None:
+        if model != self.model_id:
+            raise _err(404, f"model {model!r} does not exist; this gateway serves {self.model_id!r}", api)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_text(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _cached_prefix(self, cid: str | None, api: str) -> tuple[list[int], float]:
+        """Token ids and remaining TTL of a referenced cached content object."""
+        if cid is None:
+            return [], 0.0
+        cc = self.contents.get(self.tenant.name, cid if cid.startswith("cachedContents/") else f"cachedContents/{cid}")
+        if cc is None:
+            raise _err(404, f"cached content {cid!r} not found", api)
+        return cc.token_ids, max(1.0, cc.expires - time.time())
+
+    def _params(self, max_tokens: int, temperature: float, top_p: float, stop, seed, api: str, top_k: int = 0):
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                stop=stop or [], seed=seed,
+            )
+        except ValueError as exc:
+            raise _err(400, str(exc), api) from None
+
+    def _check_length(self, prompt: list[int], api: str) -> None:
+        if not prompt:
+            raise _err(400, "the prompt is empty", api)
+        if len(prompt) >= self.max_model_len:
+            raise _err(413, f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len}", api)
+
+    def _reported_cached(self, num_cached: int) -> int:
+        """Implicit tenants see reuse from ``min_prefix_tokens`` up; explicit tenants see all of it."""
+        c = self.tenant.cache
+        return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
+
+    async def _generate(
+        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int = 0, pin_ttl_s: float = 300.0
+    ) -> AsyncIterator[tuple[RequestOutput, int]]:
+        """Route and run one request; yields (output, tokens the router expected cached)."""
+        try:
+            decision = await self.router.route.remote(self.tenant.name, prompt)
+        except RayError as exc:
+            raise _err(503, f"no worker group available: {type(exc).__name__}", api) from None
+        leader = self.leaders[decision.group]
+        gen = leader.generate.remote(prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
+        first = True
+        try:
+            async for ref in gen:
+                try:
+                    out = await ref
+                except RayError as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, ValueError):
+                        raise _err(400, str(cause), api) from None
+                    raise _err(503, f"worker group {decision.group} failed; retry", api) from None
+                if first:
+                    self.router.on_prefill_done.remote(decision.request_id)
+                    first = False
+                yield out, decision.cached_tokens
+        finally:
+            self.router.on_finish.remote(decision.request_id)
+
+    def _account(self, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0) -> None:
+        n_prompt = len(out.prompt_token_ids)
+        self.ledger.record(
+            self.tenant.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
+            output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
+        )
+        self.metrics.record(n_prompt, out.num_cached_tokens, len(out.token_ids), predicted)
+
+    # -- OpenAI ------------------------------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._auth(request, "openai")
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                            "owned_by": "kvgrid"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._auth(request, "openai")
+        body: ChatRequest = await self._body(request, ChatRequest, "openai")
+        self._check_model(body.model, "openai")
+        if body.n != 1:
+            raise _err(400, "n must be 1", "openai")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _openai_text(m.content)}
+                    for m in body.messages]
+        prefix, ttl = self._cached_prefix(body.cached_content, "openai")
+        prompt = prefix + self._encode_text(self._chat_text(messages))
+        self._check_length(prompt, "openai")
+        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
+        run = self._generate(prompt, params, "openai", len(prefix), ttl or 300.0)
+        rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        if body.stream:
+            usage_wanted = bool((body.stream_options or {}).get("include_usage"))
+            run = await _primed(run)  # errors before the first token still get their HTTP status
+            return StreamingResponse(
+                self._openai_stream(run, rid, created, "chat.completion.chunk", usage_wanted, chat=True),
+                media_type="text/event-stream",
+            )
+        out, predicted = await _last(run)
+        cached = self._reported_cached(out.num_cached_tokens)
+        self._account(out, predicted, cached)
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                         "finish_reason": out.finish_reason, "logprobs": None}],
+            "usage": self._openai_usage(out, cached),
+        }
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._auth(request, "openai")
+        body: CompletionRequest = await self._body(request, CompletionRequest, "openai")
+        self._check_model(body.model, "openai")
+        if body.n != 1:
+            raise _err(400, "n must be 1", "openai")
+        prefix, ttl = self._cached_prefix(body.cached_content, "openai")
+        tokens = self._encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if any(not 0 <= t < len(self.tokenizer) for t in tokens):
+            raise _err(400, "prompt: token id outside the vocabulary", "openai")
+        prompt = prefix + tokens
+        self._check_length(prompt, "openai")
+        params = self._params(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
+        run = self._generate(prompt, params, "openai", len(prefix), ttl or 300.0)
+        rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+        if body.stream:
+            usage_wanted = bool((body.stream_options or {}).get("include_usage"))
+            run = await _primed(run)
+            return StreamingResponse(
+                self._openai_stream(run, rid, created, "text_completion", usage_wanted, chat=False),
+                media_type="text/event-stream",
+            )
+        out, predicted = await _last(run)
+        cached = self._reported_cached(out.num_cached_tokens)
+        self._account(out, predicted, cached)
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+            "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}],
+            "usage": self._openai_usage(out, cached),
+        }
+
+    def _openai_usage(self, out: RequestOutput, cached: int) -> dict[str, Any]:
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _openai_stream(self, run, rid: str, created: int, obj: str, usage_wanted: bool, chat: bool):
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+            payload = {"id": rid, "object": obj, "created": created, "model": self.model_id,
+                       "choices": [choice] if choice else []}
+            if usage is not None:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            out = predicted = None
+            async for out, predicted in run:
+                if out.delta_text or out.finished:
+                    delta = {"content": out.delta_text} if chat else None
+                    choice = ({"index": 0, "delta": delta, "finish_reason": out.finish_reason} if chat else
+                              {"index": 0, "text": out.delta_text, "finish_reason": out.finish_reason})
+                    yield chunk(choice)
+            if out is not None:
+                cached = self._reported_cached(out.num_cached_tokens)
+                self._account(out, predicted or 0, cached)
+                if usage_wanted:
+                    yield chunk(None, self._openai_usage(out, cached))
+        except ApiError as exc:
+            yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- Anthropic ---------------------------------------------------------------------------------------------
+
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        self._auth(request, "anthropic")
+        body: MessagesRequest = await self._body(request, MessagesRequest, "anthropic")
+        self._check_model(body.model, "anthropic")
+        prefix, cc_ttl = self._cached_prefix(body.cached_content, "anthropic")
+        text, marks = self._anthropic_prompt(body)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        # A breakpoint covers every token that ends at or before the marked block's end.
+        points = [(len(prefix) + sum(1 for _, end in offsets if end <= char_end), ttl) for char_end, ttl in marks]
+        prompt = prefix + ids
+        self._check_length(prompt, "anthropic")
+        pin_tokens = max([p for p, _ in points], default=len(prefix))
+        pin_ttl = max([t for _, t in points], default=cc_ttl or self.tenant.cache.default_ttl)
+        params = self._params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None,
+                              "anthropic", body.top_k)
+        write = read = 0
+        if points:  # an explicit entry: written now, or read (and refreshed) while it lives
+            entry = f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(_int_bytes(prompt[:pin_tokens]))}"
+            if self.redis.set(entry, 1, px=int(pin_ttl * 1000), nx=True):
+                write = pin_tokens
+            else:
+                self.redis.pexpire(entry, int(pin_ttl * 1000))
+                read = pin_tokens
+        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl)
+        mid = "msg_" + secrets.token_hex(12)
+        if body.stream:
+            run = await _primed(run)
+            return StreamingResponse(self._anthropic_stream(run, mid, write, read), media_type="text/event-stream")
+        out, predicted = await _last(run)
+        usage = self._anthropic_usage(out, write, read, predicted)
+        return {
+            "id": mid, "type": "message", "role": "assistant", "model": self.model_id,
+            "content": [{"type": "text", "text": out.text}],
+            "stop_reason": _stop_reason(out, body.stop_sequences), "stop_sequence": None, "usage": usage,
+        }
+
+    def _anthropic_prompt(self, body: MessagesRequest) -> tuple[str, list[tuple[int, float]]]:
+        """The chat text, and (character end, TTL) of each ``cache_control`` breakpoint in it."""
+        marked: list[tuple[str, float]] = []
+
+        def ttl(cc) -> float:
+            return parse_duration(cc.ttl) if cc.ttl else self.tenant.cache.default_ttl
+
+        system_parts: list[str] = []
+        for tool in body.tools or []:
+            spec = json.dumps({"name": tool.name, "description": tool.description, "input_schema": tool.input_schema})
+            system_parts.append(spec)
+            if tool.cache_control:
+                marked.append((spec, ttl(tool.cache_control)))
+        blocks = [ContentBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system or []
+        for b in blocks:
+            system_parts.append(b.text or "")
+            if b.cache_control:
+                marked.append((b.text or "", ttl(b.cache_control)))
+        messages = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
+        for m in body.messages:
+            parts = _anthropic_blocks(m)
+            messages.append({"role": m.role, "content": "".join(b.text or "" for b in parts)})
+            marked.extend((b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
+        if len(marked) > MAX_BREAKPOINTS:
+            raise _err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", "anthropic")
+        text = self._chat_text(messages)
+        marks, pos = [], 0
+        for piece, seconds in marked:
+            at = text.find(piece, pos)
+            if at < 0:
+                raise _err(400, "a cache_control block could not be located in the prompt", "anthropic")
+            pos = at + len(piece)
+            marks.append((pos, seconds))
+        return text, marks
+
+    def _anthropic_usage(self, out: RequestOutput, write: int, read: int, predicted: int) -> dict[str, int]:
+        n_prompt = len(out.prompt_token_ids)
+        if not write and not read:  # no breakpoint: implicit reuse, reported per the tenant's policy
+            read = self._reported_cached(out.num_cached_tokens)
+        else:  # reuse past the breakpoint is reported honestly too
+            read += max(0, out.num_cached_tokens - max(read, write))
+        self._account(out, predicted, read, write, read)
+        return {"input_tokens": n_prompt - write - read, "cache_creation_input_tokens": write,
+                "cache_read_input_tokens": read, "output_tokens": len(out.token_ids)}
+
+    async def _anthropic_stream(self, run, mid: str, write: int, read: int):
+        def event(kind: str, data: dict) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        try:
+            first = True
+            out = predicted = None
+            async for out, predicted in run:
+                if first:
+                    start_usage = {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0,
+                                   "cache_creation_input_tokens": write, "cache_read_input_tokens": read}
+                    yield event("message_start", {"message": {
+                        "id": mid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
+                        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    first = False
+                if out.delta_text:
+                    yield event("content_block_delta",
+                                {"index": 0, "delta": {"type": "text_delta", "text": out.delta_text}})
+            if out is not None:
+                usage = self._anthropic_usage(out, write, read, predicted or 0)
+                yield event("content_block_stop", {"index": 0})
+                yield event("message_delta", {"delta": {"stop_reason": _stop_reason(out, None),
+                                                        "stop_sequence": None}, "usage": usage})
+                yield event("message_stop", {})
+        except ApiError as exc:
+            yield event("error", {"error": {"type": exc.kind, "message": exc.message}})
+
+    # -- cached content ----------------------------------------------------------------------------------------
+
+    @app.post("/v1/cachedContents")
+    async def create_cached_content(self, request: Request):
+        self._auth(request, "openai")
+        body: CachedContentRequest = await self._body(request, CachedContentRequest, "openai")
+        if body.model is not None:
+            self._check_model(body.model.removeprefix("models/"), "openai")
+        text = gemini_text(body.systemInstruction) + "".join(gemini_text(c) for c in body.contents or [])
+        if not text:
+            raise _err(400, "contents: a cached content needs some text", "openai")
+        ttl = self._ttl(body.ttl)
+        tokens = self._encode_text(self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": text}], add_generation_prompt=False, tokenize=False))
+        self._check_length(tokens, "openai")
+        limit = self.tenant.cache.max_pinned_tokens
+        if limit is not None and len(tokens) > limit:
+            raise _err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", "openai")
+        # Compute and pin it now, so the first use is already a read.
+        await _last(self._generate(tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl))
+        cc = self.contents.create(self.tenant.name, {"text": text}, tokens, ttl)
+        self.ledger.record(self.tenant.name, cache_write_tokens=len(tokens))
+        return cc.public()
+
+    def _ttl(self, ttl: str | None) -> float:
+        try:
+            return parse_duration(ttl) if ttl else self.tenant.cache.default_ttl
+        except ValueError as exc:
+            raise _err(400, f"ttl: {exc}", "openai") from None
+
+    @app.get("/v1/cachedContents")
+    async def list_cached_contents(self, request: Request):
+        self._auth(request, "openai")
+        return {"cachedContents": [c.public() for c in self.contents.list(self.tenant.name)]}
+
+    @app.get("/v1/cachedContents/{cid}")
+    async def get_cached_content(self, cid: str, request: Request):
+        self._auth(request, "openai")
+        cc = self.contents.get(self.tenant.name, f"cachedContents/{cid}")
+        if cc is None:
+            raise _err(404, f"cached content {cid!r} not found", "openai")
+        return cc.public()
+
+    @app.patch("/v1/cachedContents/{cid}")
+    async def patch_cached_content(self, cid: str, request: Request):
+        self._auth(request, "openai")
+        body: CachedContentPatch = await self._body(request, CachedContentPatch, "openai")
+        ttl = self._ttl(body.ttl)
+        cc = self.contents.set_ttl(self.tenant.name, f"cachedContents/{cid}", ttl)
+        if cc is None:
+            raise _err(404, f"cached content {cid!r} not found", "openai")
+        await _last(self._generate(cc.token_ids, SamplingParams(max_tokens=1, temperature=0.0), "openai",
+                                   len(cc.token_ids), ttl))  # re-pin for the new lifetime
+        return cc.public()
+
+    @app.delete("/v1/cachedContents/{cid}")
+    async def delete_cached_content(self, cid: str, request: Request):
+        self._auth(request, "openai")
+        if not self.contents.delete(self.tenant.name, f"cachedContents/{cid}"):
+            raise _err(404, f"cached content {cid!r} not found", "openai")
+        return {}
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+
+    @app.get("/metrics")
+    async def metrics(self):
+        m = self.metrics
+        for group, leader in self.leaders.items():
+            try:
+                s = await leader.stats.remote()
+            except RayError:
+                continue
+            m.group_running.labels(group).set(s.running)
+            m.group_waiting.labels(group).set(s.waiting)
+            m.group_queued.labels(group).set(s.queued_prefill_tokens)
+            m.group_free.labels(group).set(s.blocks_free)
+            m.group_cached.labels(group).set(s.blocks_cached)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

