@@ -50,7 +50,8 @@ class RedisStreamSink:
     def __init__(self, client, group: str, max_len: int = 1_000_000) -> None:
         self.client, self.stream, self.max_len = client, stream_name(group), max_len
         self.n = 0
-        # A restart starts a new history: readers drop what they knew of this group.
+        # A (re)start begins a new history: drop the old one, and tell readers to drop what they knew.
+        self.client.delete(self.stream)
         self.publish(AllCleared())
 
     def publish(self, event: KVEvent) -> None:
@@ -62,7 +63,8 @@ class RedisStreamSubscription:
     """Reads the streams of ``groups`` from the beginning of what Redis holds.
 
     ``resync(group)`` must return events that rebuild the group's state from nothing (``AllCleared`` then a
-    ``BlockStored`` of every key it holds); it is called when the history has a gap."""
+    ``BlockStored`` of every key it holds); it is called when the history has a gap. Without it, a gap yields
+    ``AllCleared`` and the group lands in ``needs_resync`` for the caller to fetch a snapshot itself."""
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class RedisStreamSubscription:
         self.client, self.resync, self.block_ms = client, resync, block_ms
         self.cursor = {stream_name(g): "0-0" for g in groups}
         self.next_n: dict[str, int | None] = {g: None for g in groups}
+        self.needs_resync: set[str] = set()
 
     def add_group(self, group: str) -> None:
         self.cursor.setdefault(stream_name(group), "0-0")
@@ -97,8 +100,23 @@ class RedisStreamSubscription:
                 expected = self.next_n.get(group)
                 if n != 0 and n != expected:
                     # History starts mid-way (trimmed) or skipped entries: rebuild from a snapshot.
-                    out.extend((group, e) for e in (self.resync(group) if self.resync else [AllCleared()]))
+                    if self.resync is not None:
+                        out.extend((group, e) for e in self.resync(group))
+                    else:
+                        out.append((group, AllCleared()))
+                        self.needs_resync.add(group)
                 else:
                     out.append((group, event))
                 self.next_n[group] = n + 1
         return out
+
+
+class TeeSink:
+    """Publishes every event to several sinks (a group's own log and its Redis stream)."""
+
+    def __init__(self, *sinks) -> None:
+        self.sinks = sinks
+
+    def publish(self, event: KVEvent) -> None:
+        for s in self.sinks:
+            s.publish(event)

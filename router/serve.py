@@ -57,11 +57,11 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
                                  if t.cache.max_pinned_tokens is not None},
         )
         for i in range(cfg.groups):
-            groups.append(WorkerGroup(GroupConfig(f"g{i}", engine, cfg.tensor_parallel, use_gpu)))
+            groups.append(WorkerGroup(GroupConfig(f"g{i}", engine, cfg.tensor_parallel, use_gpu, url)))
         leaders = {g.name: g.leader for g in groups}
         # Keep this handle until shutdown: the actor lives as long as its creator holds a reference.
         router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(
-            leaders, secret, cfg.block_size)
+            leaders, secret, cfg.block_size, redis_url=url)
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         for t in cfg.tenants:
             app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, leaders, router, url)

@@ -1,5 +1,7 @@
-"""The router as a Ray component: one ``RouterService`` actor per replica, each with its own index copy, fed
-by reading every group's KV event log with its own cursors."""
+"""The router as a Ray component: one ``RouterService`` actor per replica, each with its own index copy. Events
+come from the groups' Redis streams when ``redis_url`` is given (a replica started late reads the streams from
+their start, and takes a snapshot from the group where history was trimmed), else from each group's own event
+log over Ray."""
 
 from __future__ import annotations
 
@@ -21,10 +23,18 @@ class RouterService:
         policy: str = "kvgrid",
         hash_algo: str = "xxh3_128",
         poll_interval_s: float = 0.02,
+        redis_url: str | None = None,
     ) -> None:
         self.router = Router(list(leaders), secret, block_size, policy, hash_algo)
         self.leaders = dict(leaders)
         self.offsets = {g: 0 for g in leaders}
+        self.stream = None
+        if redis_url:
+            import redis
+
+            from common.event_stream import RedisStreamSubscription
+
+            self.stream = RedisStreamSubscription(redis.Redis.from_url(redis_url), list(leaders))
         self.poll_interval_s = poll_interval_s
         self._poller: asyncio.Task | None = None
 
@@ -39,6 +49,8 @@ class RouterService:
 
     async def poll(self) -> int:
         """Read every group's new events into this replica's index; returns how many."""
+        if self.stream is not None:
+            return await self._poll_stream()
         groups = list(self.leaders)
         replies = await asyncio.gather(
             *(self.leaders[g].read_events.remote(self.offsets[g]) for g in groups), return_exceptions=True
@@ -52,6 +64,22 @@ class RouterService:
                 self.router.apply_event(g, e)
             n += len(events)
         return n
+
+    async def _poll_stream(self) -> int:
+        assert self.stream is not None
+        batch = self.stream.poll()
+        for group, event in batch:
+            if group in self.leaders:
+                self.router.apply_event(group, event)
+        for group in list(self.stream.needs_resync):
+            self.stream.needs_resync.discard(group)
+            leader = self.leaders.get(group)
+            if leader is None:
+                continue
+            events, _ = await leader.read_events.remote(-1)  # an impossible offset: a snapshot
+            for event in events:
+                self.router.apply_event(group, event)
+        return len(batch)
 
     async def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
         self._ensure_poller()
@@ -73,8 +101,12 @@ class RouterService:
     def add_group(self, group: str, leader) -> None:
         self.leaders[group], self.offsets[group] = leader, 0
         self.router.add_group(group)
+        if self.stream is not None:
+            self.stream.add_group(group)
 
     def remove_group(self, group: str) -> None:
         self.leaders.pop(group, None)
         self.offsets.pop(group, None)
         self.router.remove_group(group)
+        if self.stream is not None:
+            self.stream.remove_group(group)

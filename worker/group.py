@@ -36,6 +36,7 @@ class GroupConfig:
     engine: EngineConfig
     tp: int = 1
     use_gpu: bool = False  # one GPU per rank (NCCL); otherwise CPU bundles (gloo)
+    event_stream_url: str | None = None  # also publish KV events to this Redis (one stream per group)
     start_timeout_s: float = 300.0
 
 
@@ -58,13 +59,22 @@ class RankActor:
             s.bind((ip, 0))
             return f"tcp://{ip}:{s.getsockname()[1]}"
 
-    def setup(self, config: EngineConfig, init_method: str, backend: str) -> dict:
+    def setup(
+        self, config: EngineConfig, init_method: str, backend: str, group: str = "", stream_url: str | None = None
+    ) -> dict:
         from worker.distributed import init_tensor_parallel
 
         if self.world > 1:
             init_tensor_parallel(self.rank, self.world, init_method, backend)
         if self.rank == 0:
-            self.engine = Engine(config, event_sink=self.events)
+            sink = self.events
+            if stream_url:
+                import redis
+
+                from common.event_stream import RedisStreamSink, TeeSink
+
+                sink = TeeSink(self.events, RedisStreamSink(redis.Redis.from_url(stream_url), group))
+            self.engine = Engine(config, event_sink=sink)
             runner = self.engine.runner
         else:
             runner = self.runner = build_runner(config)
@@ -210,7 +220,8 @@ class WorkerGroup:
         init_method = ray.get(self.leader.address.remote(), timeout=cfg.start_timeout_s)
         backend = "nccl" if cfg.use_gpu else "gloo"
         self.rank_info = ray.get(
-            [a.setup.remote(cfg.engine, init_method, backend) for a in self.ranks], timeout=cfg.start_timeout_s
+            [a.setup.remote(cfg.engine, init_method, backend, cfg.name, cfg.event_stream_url) for a in self.ranks],
+            timeout=cfg.start_timeout_s,
         )
         self._follows = [a.follow.remote() for a in self.ranks[1:]]
 
