@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/kvgrid generate
+	$(VENV)/bin/kvgrid serve --config router/demo.yaml
 
 test: install
 	$(PY) -m pytest -q

@@ -37,3 +37,21 @@ def test_bad_model_path_exits_2_with_a_message(tmp_path):
     out = kvgrid("generate", "--model", str(tmp_path / "missing"))
     assert out.returncode == 2
     assert "kvgrid: error:" in out.stderr and "missing" in out.stderr
+
+
+def test_serve_with_an_invalid_config_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: demo\ngroups: 2\ntenants:\n  - name: acme\n    api_keys: [sk-acme-123]\n"
+                   "    cache: {mode: sometimes}\n")
+    out = kvgrid("serve", "--config", str(bad))
+    assert out.returncode == 2
+    assert "tenants.0.cache.mode" in out.stderr
+
+
+def test_demo_config_of_make_run_is_valid():
+    from pathlib import Path
+
+    from common.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "router" / "demo.yaml")
+    assert cfg.groups == 2 and len(cfg.tenants) == 2
