@@ -98,6 +98,7 @@ class ServeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     kv_cache_bytes: int = Field(512 * 2**20, ge=1)
     max_model_len: int | None = Field(None, ge=2)
+    max_queued_prefill_tokens: int = Field(1_000_000, ge=1)  # per group; beyond it requests get 429
     http: HttpConfig = HttpConfig()
     tenants: list[TenantConfig] = Field(min_length=1)
 

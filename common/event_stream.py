@@ -50,8 +50,9 @@ class RedisStreamSink:
     def __init__(self, client, group: str, max_len: int = 1_000_000) -> None:
         self.client, self.stream, self.max_len = client, stream_name(group), max_len
         self.n = 0
-        # A (re)start begins a new history: drop the old one, and tell readers to drop what they knew.
-        self.client.delete(self.stream)
+        # A (re)start begins a new history: drop the old one (trimming, not deleting, so new entry ids stay
+        # above every reader's cursor), and tell readers to drop what they knew.
+        self.client.xtrim(self.stream, maxlen=0, approximate=False)
         self.publish(AllCleared())
 
     def publish(self, event: KVEvent) -> None:

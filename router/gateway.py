@@ -34,6 +34,7 @@ from router.apis import (
     MessagesRequest,
     gemini_text,
 )
+from router.router import Overloaded
 from router.store import CachedContentStore, TenantStore, UsageLedger
 
 MAX_BODY_BYTES = 4 * 2**20
@@ -54,7 +55,8 @@ class ApiError(Exception):
             body: dict[str, Any] = {"type": "error", "error": {"type": self.kind, "message": self.message}}
         else:
             body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 @app.exception_handler(ApiError)
@@ -240,6 +242,8 @@ class Gateway:
         try:
             decision = await self.router.route.remote(self.tenant.name, prompt)
         except RayError as exc:
+            if isinstance(getattr(exc, "cause", None), Overloaded):
+                raise _err(429, f"overloaded: {exc.cause}; retry shortly", api) from None
             raise _err(503, f"no worker group available: {type(exc).__name__}", api) from None
         leader = self.leaders[decision.group]
         gen = leader.generate.remote(prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)

@@ -17,6 +17,10 @@ from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.transport import Subscription
 
 
+class Overloaded(RuntimeError):
+    """Every group's prefill queue is at its limit: the caller should retry later (HTTP 429)."""
+
+
 @dataclass
 class RouteDecision:
     request_id: str
@@ -44,6 +48,7 @@ class Router:
         prediction_ttl_s: float = 10.0,
         prediction_blocks: int | None = 128,
         recent_window_s: float = 60.0,
+        max_queued_prefill_tokens: int | None = None,
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -56,6 +61,7 @@ class Router:
         self.prediction_ttl_s = prediction_ttl_s
         self.prediction_blocks = prediction_blocks
         self.recent_window_s = recent_window_s
+        self.max_queued_prefill_tokens = max_queued_prefill_tokens
         self._decayed_at = clock()
         self.events = events
         self.clock = clock
@@ -145,7 +151,13 @@ class Router:
         if self.policy.needs_all_keys:
             keys.take(None)
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
-        group = self.policy.choose(req, self.loads)
+        open_groups = self.loads
+        if self.max_queued_prefill_tokens is not None:
+            limit = self.max_queued_prefill_tokens
+            open_groups = {g: load for g, load in self.loads.items() if load.queued_prefill_tokens < limit}
+            if not open_groups:
+                raise Overloaded(f"every worker group has {limit} or more prefill tokens queued")
+        group = self.policy.choose(req, open_groups)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
         rid = request_id if request_id is not None else f"route-{next(self._ids)}"
         self._start(rid, group, num_tokens - hit)

@@ -61,7 +61,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         leaders = {g.name: g.leader for g in groups}
         # Keep this handle until shutdown: the actor lives as long as its creator holds a reference.
         router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(
-            leaders, secret, cfg.block_size, redis_url=url)
+            leaders, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens)
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         for t in cfg.tenants:
             app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, leaders, router, url)

@@ -24,8 +24,11 @@ class RouterService:
         hash_algo: str = "xxh3_128",
         poll_interval_s: float = 0.02,
         redis_url: str | None = None,
+        max_queued_prefill_tokens: int | None = None,
     ) -> None:
-        self.router = Router(list(leaders), secret, block_size, policy, hash_algo)
+        self.router = Router(
+            list(leaders), secret, block_size, policy, hash_algo, max_queued_prefill_tokens=max_queued_prefill_tokens
+        )
         self.leaders = dict(leaders)
         self.offsets = {g: 0 for g in leaders}
         self.stream = None

@@ -195,3 +195,18 @@ def test_a_prediction_lapses_per_group_even_when_another_group_renews_the_key():
     router._predict(keys, "g1")
     now[0] = 12.0
     assert router.match(keys) == {"g1": 2}
+
+
+def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
+    import pytest
+
+    from router.router import Overloaded
+
+    router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100)
+    first = router.route("acme", list(range(150)))  # g0 or g1 is now over the limit
+    second = router.route("acme", list(range(1000, 1150)))
+    assert second.group != first.group
+    with pytest.raises(Overloaded):
+        router.route("acme", list(range(2000, 2010)))
+    router.on_finish(first.request_id)
+    assert router.route("acme", list(range(2000, 2010))).group == first.group
