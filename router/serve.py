@@ -72,7 +72,8 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
         t0 = cfg.tenants[0]
-        print("try:\n  curl -s " + f"{base}/{t0.name}/v1/chat/completions -H 'Authorization: Bearer <{t0.name} key>' "
+        print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
+        print(f"  curl -s {base}/{t0.name}/v1/chat/completions -H \"Authorization: Bearer $KVGRID_API_KEY\" "
               "-H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{cfg.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
               "\"max_tokens\": 16}'")
