@@ -73,8 +73,9 @@ class RedisStreamSubscription:
         groups: list[str],
         resync: Callable[[str], list[KVEvent]] | None = None,
         block_ms: int | None = None,
+        max_batch: int = 10_000,
     ) -> None:
-        self.client, self.resync, self.block_ms = client, resync, block_ms
+        self.client, self.resync, self.block_ms, self.max_batch = client, resync, block_ms, max_batch
         self.cursor = {stream_name(g): "0-0" for g in groups}
         self.next_n: dict[str, int | None] = {g: None for g in groups}
         self.needs_resync: set[str] = set()
@@ -90,7 +91,7 @@ class RedisStreamSubscription:
     def poll(self) -> list[tuple[str, KVEvent]]:
         if not self.cursor:
             return []
-        reply = self.client.xread(self.cursor, block=self.block_ms)
+        reply = self.client.xread(self.cursor, count=self.max_batch, block=self.block_ms)
         out: list[tuple[str, KVEvent]] = []
         for stream, entries in reply or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream

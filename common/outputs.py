@@ -21,6 +21,7 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None
     ttft: float | None = None  # seconds from arrival to the first output token
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 import xxhash
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -21,7 +22,7 @@ from ray import serve
 from ray.exceptions import RayError
 
 from common.config import ServeConfig, TenantConfig, parse_duration
-from common.model_config import load_tokenizer
+from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 from router.apis import (
@@ -39,6 +40,8 @@ from router.store import CachedContentStore, TenantStore, UsageLedger
 
 MAX_BODY_BYTES = 4 * 2**20
 MAX_BREAKPOINTS = 4
+MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
+MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
 
 app = FastAPI(title="kvgrid tenant gateway")
 
@@ -114,6 +117,10 @@ class _Metrics:
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
 
 
+def _no_account(out: RequestOutput, predicted: int) -> None:
+    """Internal requests (computing cached content) are recorded by their callers."""
+
+
 async def _primed(run):
     """Start ``run`` now (so its first error surfaces before a response is sent) and return an equivalent."""
     first = await run.__anext__()
@@ -144,10 +151,10 @@ def _anthropic_blocks(m: AnthropicMessage) -> list[ContentBlock]:
     return [ContentBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
 
 
-def _stop_reason(out: RequestOutput, stops: list[str] | None) -> str:
+def _stop_reason(out: RequestOutput) -> str:
     if out.finish_reason == "length":
         return "max_tokens"
-    return "stop_sequence" if stops and out.finish_reason == "stop" else "end_turn"
+    return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
 
 
 def _int_bytes(tokens: list[int]) -> bytes:
@@ -164,7 +171,8 @@ class Gateway:
         self.tenant, self.config = tenant, config
         self.model_id = config.model if config.model == "demo" else config.model.rstrip("/").split("/")[-1]
         self.tokenizer = load_tokenizer(model_path)
-        self.max_model_len = config.max_model_len or self.tokenizer.model_max_length
+        mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.leaders = leaders
         self.router = router  # the RouterService actor
         self.redis = redis.Redis.from_url(redis_url)
@@ -178,9 +186,13 @@ class Gateway:
     async def _body(self, request: Request, model: type[BaseModel], api: str) -> Any:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a chunked upload has no length: stop reading past the limit
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
@@ -204,7 +216,10 @@ class Gateway:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _chat_text(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:
+            raise _err(400, f"messages: {exc}", "openai") from None
 
     def _cached_prefix(self, cid: str | None, api: str) -> tuple[list[int], float]:
         """Token ids and remaining TTL of a referenced cached content object."""
@@ -236,19 +251,22 @@ class Gateway:
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
     async def _generate(
-        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int = 0, pin_ttl_s: float = 300.0
+        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int, pin_ttl_s: float, account
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
-        """Route and run one request; yields (output, tokens the router expected cached)."""
+        """Route and run one request; yields (output, tokens the router expected cached). However it ends
+        (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
+        once, and an unfinished request is aborted on its group."""
         try:
             decision = await self.router.route.remote(self.tenant.name, prompt)
         except RayError as exc:
             if isinstance(getattr(exc, "cause", None), Overloaded):
                 raise _err(429, f"overloaded: {exc.cause}; retry shortly", api) from None
             raise _err(503, f"no worker group available: {type(exc).__name__}", api) from None
-        leader = self.leaders[decision.group]
-        gen = leader.generate.remote(prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
-        first = True
+        out: RequestOutput | None = None
+        finished = False
         try:
+            leader = self.leaders[decision.group]
+            gen = leader.generate.remote(prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
             async for ref in gen:
                 try:
                     out = await ref
@@ -257,12 +275,18 @@ class Gateway:
                     if isinstance(cause, ValueError):
                         raise _err(400, str(cause), api) from None
                     raise _err(503, f"worker group {decision.group} failed; retry", api) from None
-                if first:
+                if not finished and len(out.token_ids) == len(out.new_token_ids):
                     self.router.on_prefill_done.remote(decision.request_id)
-                    first = False
+                finished = out.finished
                 yield out, decision.cached_tokens
         finally:
             self.router.on_finish.remote(decision.request_id)
+            if not finished:
+                leader = self.leaders.get(decision.group)
+                if leader is not None:
+                    leader.abort.remote(decision.request_id)
+            if out is not None:
+                account(out, decision.cached_tokens)
 
     def _account(self, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0) -> None:
         n_prompt = len(out.prompt_token_ids)
@@ -271,6 +295,9 @@ class Gateway:
             output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
         )
         self.metrics.record(n_prompt, out.num_cached_tokens, len(out.token_ids), predicted)
+
+    def _account_openai(self, out: RequestOutput, predicted: int) -> None:
+        self._account(out, predicted, self._reported_cached(out.num_cached_tokens))
 
     # -- OpenAI ------------------------------------------------------------------------------------------------
 
@@ -311,7 +338,7 @@ class Gateway:
         """Run a chat or text completion and answer it, streamed or whole."""
         self._check_length(prompt, "openai")
         params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
-        run = self._generate(prompt, params, "openai", pin, ttl or 300.0)
+        run = self._generate(prompt, params, "openai", pin, ttl or 300.0, self._account_openai)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
         if body.stream:
             usage_wanted = bool((body.stream_options or {}).get("include_usage"))
@@ -320,9 +347,8 @@ class Gateway:
             return StreamingResponse(
                 self._openai_stream(run, rid, created, obj, usage_wanted, chat), media_type="text/event-stream"
             )
-        out, predicted = await _last(run)
+        out, _ = await _last(run)
         cached = self._reported_cached(out.num_cached_tokens)
-        self._account(out, predicted, cached)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": out.finish_reason, "logprobs": None}
@@ -349,18 +375,15 @@ class Gateway:
         try:
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            out = predicted = None
-            async for out, predicted in run:
+            out = None
+            async for out, _ in run:
                 if out.delta_text or out.finished:
                     delta = {"content": out.delta_text} if chat else None
                     choice = ({"index": 0, "delta": delta, "finish_reason": out.finish_reason} if chat else
                               {"index": 0, "text": out.delta_text, "finish_reason": out.finish_reason})
                     yield chunk(choice)
-            if out is not None:
-                cached = self._reported_cached(out.num_cached_tokens)
-                self._account(out, predicted or 0, cached)
-                if usage_wanted:
-                    yield chunk(None, self._openai_usage(out, cached))
+            if out is not None and usage_wanted:
+                yield chunk(None, self._openai_usage(out, self._reported_cached(out.num_cached_tokens)))
         except ApiError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
         yield "data: [DONE]\n\n"
@@ -376,77 +399,121 @@ class Gateway:
         text, marks = self._anthropic_prompt(body)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        # A breakpoint covers every token that ends at or before the marked block's end.
-        points = [(len(prefix) + sum(1 for _, end in offsets if end <= char_end), ttl) for char_end, ttl in marks]
         prompt = prefix + ids
         self._check_length(prompt, "anthropic")
-        pin_tokens = max([p for p, _ in points], default=len(prefix))
-        pin_ttl = max([t for _, t in points], default=cc_ttl or self.tenant.cache.default_ttl)
+        # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
+        bs = self.config.block_size
+        ttl_at: dict[int, float] = {}
+        for char_end, ttl in marks:
+            pos = (len(prefix) + sum(1 for _, end in offsets if end <= char_end)) // bs * bs
+            if pos > 0:
+                ttl_at[pos] = max(ttl, ttl_at.get(pos, 0.0))
+        pin_tokens = max(ttl_at, default=len(prefix))
+        pin_ttl = max(ttl_at.values(), default=cc_ttl or self.tenant.cache.default_ttl)
+        entries = {pos: self._entry_key(prompt[:pos]) for pos in ttl_at}
+        # Read: the longest marked prefix whose entry lives (cached content is pinned already); the rest is
+        # written now.
+        read = len(prefix) // bs * bs
+        for pos in sorted(entries, reverse=True):
+            if pos > read and self.redis.exists(entries[pos]):
+                read = pos
+                break
+        write = max(0, pin_tokens - read) if entries else 0
         params = self._params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None,
                               "anthropic", body.top_k)
-        write = read = 0
-        if points:  # an explicit entry: written now, or read (and refreshed) while it lives
-            entry = f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(_int_bytes(prompt[:pin_tokens]))}"
-            if self.redis.set(entry, 1, px=int(pin_ttl * 1000), nx=True):
-                write = pin_tokens
-            else:
-                self.redis.pexpire(entry, int(pin_ttl * 1000))
-                read = pin_tokens
-        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl)
+
+        def account(out: RequestOutput, predicted: int) -> None:
+            usage = self._anthropic_usage(out, write, read)
+            r, w = usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
+            self._account(out, predicted, r, w, r)
+            if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
+                for pos, key in entries.items():
+                    self._keep_entry(key, ttl_at[pos])
+
+        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl, account)
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await _primed(run)
             return StreamingResponse(self._anthropic_stream(run, mid, write, read), media_type="text/event-stream")
-        out, predicted = await _last(run)
-        usage = self._anthropic_usage(out, write, read, predicted)
+        out, _ = await _last(run)
         return {
             "id": mid, "type": "message", "role": "assistant", "model": self.model_id,
-            "content": [{"type": "text", "text": out.text}],
-            "stop_reason": _stop_reason(out, body.stop_sequences), "stop_sequence": None, "usage": usage,
+            "content": [{"type": "text", "text": out.text}], "stop_reason": _stop_reason(out),
+            "stop_sequence": out.stop_reason if isinstance(out.stop_reason, str) else None,
+            "usage": self._anthropic_usage(out, write, read),
         }
+
+    def _entry_key(self, tokens: list[int]) -> str:
+        return f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(_int_bytes(tokens))}"
+
+    def _keep_entry(self, key: str, ttl_s: float) -> None:
+        """Create or refresh an explicit entry; a shorter TTL never cuts a longer one."""
+        ms = int(ttl_s * 1000)
+        if self.redis.pttl(key) < ms:
+            self.redis.set(key, 1, px=ms)
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if not messages:
+            return ""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        except TemplateError as exc:
+            raise _err(400, f"messages: {exc}", "anthropic") from None
 
     def _anthropic_prompt(self, body: MessagesRequest) -> tuple[str, list[tuple[int, float]]]:
         """The chat text, and (character end, TTL) of each ``cache_control`` breakpoint in it."""
-        marked: list[tuple[str, float]] = []
+        marked: list[tuple[int, str, float]] = []  # (message index, text, ttl)
 
         def ttl(cc) -> float:
-            return parse_duration(cc.ttl) if cc.ttl else self.tenant.cache.default_ttl
+            try:
+                seconds = parse_duration(cc.ttl) if cc.ttl else self.tenant.cache.default_ttl
+            except ValueError as exc:
+                raise _err(400, f"cache_control.ttl: {exc}", "anthropic") from None
+            if not 1.0 <= seconds <= MAX_PIN_TTL_S:
+                raise _err(400, f"cache_control.ttl must be between 1s and {MAX_PIN_TTL_S:.0f}s", "anthropic")
+            return seconds
 
         system_parts: list[str] = []
         for tool in body.tools or []:
             spec = json.dumps({"name": tool.name, "description": tool.description, "input_schema": tool.input_schema})
             system_parts.append(spec)
             if tool.cache_control:
-                marked.append((spec, ttl(tool.cache_control)))
+                marked.append((0, spec, ttl(tool.cache_control)))
         blocks = [ContentBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system or []
         for b in blocks:
             system_parts.append(b.text or "")
             if b.cache_control:
-                marked.append((b.text or "", ttl(b.cache_control)))
+                marked.append((0, b.text or "", ttl(b.cache_control)))
         messages = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
         for m in body.messages:
             parts = _anthropic_blocks(m)
+            idx = len(messages)
             messages.append({"role": m.role, "content": "".join(b.text or "" for b in parts)})
-            marked.extend((b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
+            marked.extend((idx, b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
         if len(marked) > MAX_BREAKPOINTS:
             raise _err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", "anthropic")
         text = self._chat_text(messages)
         marks, pos = [], 0
-        for piece, seconds in marked:
-            at = text.find(piece, pos)
+        for idx, piece, seconds in marked:
+            # Search from where the block's own message starts, so equal text earlier cannot match.
+            start = max(pos, len(self._render(messages[:idx])))
+            at = text.find(piece, start)
+            if at < 0:
+                piece = piece.strip()  # templates that trim content
+                at = text.find(piece, start)
             if at < 0:
                 raise _err(400, "a cache_control block could not be located in the prompt", "anthropic")
             pos = at + len(piece)
             marks.append((pos, seconds))
         return text, marks
 
-    def _anthropic_usage(self, out: RequestOutput, write: int, read: int, predicted: int) -> dict[str, int]:
+    def _anthropic_usage(self, out: RequestOutput, write: int, read: int) -> dict[str, int]:
         n_prompt = len(out.prompt_token_ids)
         if not write and not read:  # no breakpoint: implicit reuse, reported per the tenant's policy
             read = self._reported_cached(out.num_cached_tokens)
-        else:  # reuse past the breakpoint is reported honestly too
-            read += max(0, out.num_cached_tokens - max(read, write))
-        self._account(out, predicted, read, write, read)
+        else:
+            write = min(write, max(0, out.num_pinned_tokens - read))  # what the group could pin
+            read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
         return {"input_tokens": n_prompt - write - read, "cache_creation_input_tokens": write,
                 "cache_read_input_tokens": read, "output_tokens": len(out.token_ids)}
 
@@ -456,10 +523,10 @@ class Gateway:
 
         try:
             first = True
-            out = predicted = None
-            async for out, predicted in run:
+            out = None
+            async for out, _ in run:
                 if first:
-                    start_usage = {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0,
+                    start_usage = {"input_tokens": len(out.prompt_token_ids) - write - read, "output_tokens": 0,
                                    "cache_creation_input_tokens": write, "cache_read_input_tokens": read}
                     yield event("message_start", {"message": {
                         "id": mid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
@@ -470,10 +537,10 @@ class Gateway:
                     yield event("content_block_delta",
                                 {"index": 0, "delta": {"type": "text_delta", "text": out.delta_text}})
             if out is not None:
-                usage = self._anthropic_usage(out, write, read, predicted or 0)
+                stop_seq = out.stop_reason if isinstance(out.stop_reason, str) else None
                 yield event("content_block_stop", {"index": 0})
-                yield event("message_delta", {"delta": {"stop_reason": _stop_reason(out, None),
-                                                        "stop_sequence": None}, "usage": usage})
+                yield event("message_delta", {"delta": {"stop_reason": _stop_reason(out), "stop_sequence": stop_seq},
+                                              "usage": self._anthropic_usage(out, write, read)})
                 yield event("message_stop", {})
         except ApiError as exc:
             yield event("error", {"error": {"type": exc.kind, "message": exc.message}})
@@ -497,16 +564,20 @@ class Gateway:
         if limit is not None and len(tokens) > limit:
             raise _err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", "openai")
         # Compute and pin it now, so the first use is already a read.
-        await _last(self._generate(tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl))
+        await _last(self._generate(tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl,
+                                   _no_account))
         cc = self.contents.create(self.tenant.name, {"text": text}, tokens, ttl)
         self.ledger.record(self.tenant.name, cache_write_tokens=len(tokens))
         return cc.public()
 
     def _ttl(self, ttl: str | None) -> float:
         try:
-            return parse_duration(ttl) if ttl else self.tenant.cache.default_ttl
+            seconds = parse_duration(ttl) if ttl else self.tenant.cache.default_ttl
         except ValueError as exc:
             raise _err(400, f"ttl: {exc}", "openai") from None
+        if not 1.0 <= seconds <= MAX_CACHED_CONTENT_TTL_S:
+            raise _err(400, f"ttl must be between 1s and {MAX_CACHED_CONTENT_TTL_S:.0f}s", "openai")
+        return seconds
 
     @app.get("/v1/cachedContents")
     async def list_cached_contents(self, request: Request):
@@ -530,7 +601,7 @@ class Gateway:
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         await _last(self._generate(cc.token_ids, SamplingParams(max_tokens=1, temperature=0.0), "openai",
-                                   len(cc.token_ids), ttl))  # re-pin for the new lifetime
+                                   len(cc.token_ids), ttl, _no_account))  # re-pin for the new lifetime
         return cc.public()
 
     @app.delete("/v1/cachedContents/{cid}")
@@ -543,7 +614,8 @@ class Gateway:
     # -- metrics -----------------------------------------------------------------------------------------------
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        self._auth(request, "openai")  # usage and load are the tenant's business only
         m = self.metrics
         for group, leader in self.leaders.items():
             try:

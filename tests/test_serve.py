@@ -145,7 +145,8 @@ def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == second.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == second.usage.completion_tokens
-    metrics = httpx.get(f"{server.base}/acme/metrics").text
+    assert httpx.get(f"{server.base}/acme/metrics").status_code == 401
+    metrics = httpx.get(f"{server.base}/acme/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}).text
     assert 'kvgrid_requests_total{tenant="acme"}' in metrics and "kvgrid_group_free_blocks" in metrics
 
 
@@ -170,6 +171,32 @@ def test_anthropic_cache_control_writes_then_reads_then_writes_after_the_ttl(ser
     time.sleep(3.5)
     third = ask("When do you open?")
     assert third.usage.cache_creation_input_tokens > 0
+    u = third.usage
+    assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens == first.usage.input_tokens + (
+        first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                               system=[{"type": "text", "text": SYSTEM,
+                                        "cache_control": {"type": "ephemeral", "ttl": "a while"}}])
+
+
+def test_anthropic_second_breakpoint_reads_the_shared_first_one(server):
+    client = an(server)
+    system = [{"type": "text", "text": "Second-breakpoint check. " + SYSTEM,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+    def ask(q: str):
+        return client.messages.create(
+            model="demo", max_tokens=4, system=system, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": q * 3, "cache_control": {"type": "ephemeral", "ttl": "5m"}}]}])
+
+    first = ask("Where is the shop exactly? ")
+    second = ask("What does a cargo bike cost? ")
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
+    # The system prompt's entry lives: read; only the new turn is written.
+    assert second.usage.cache_read_input_tokens >= 96
+    assert 0 < second.usage.cache_creation_input_tokens < first.usage.cache_creation_input_tokens
 
 
 def test_cached_content_create_use_patch_delete(server):

@@ -256,7 +256,9 @@ class Engine:
             seq.first_token_time = now
         p = seq.params
         reason = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_config.eos_token_ids):
+        if tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.model_config.eos_token_ids:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -264,7 +266,7 @@ class Engine:
         for s in p.stop:
             cut = seq.text.find(s)
             if cut >= 0:
-                seq.text, reason = seq.text[:cut], "stop"
+                seq.text, reason, seq.stop_reason = seq.text[:cut], "stop", s
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
@@ -299,6 +301,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want_lp else None,
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            stop_reason=seq.stop_reason,
         )
 
     # -- convenience ------------------------------------------------------------------------------------------

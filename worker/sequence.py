@@ -49,6 +49,7 @@ class Sequence:
         self.pin_ttl_s = 0.0
         self.num_pinned_blocks = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.text = ""
