@@ -61,7 +61,8 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
                                  if t.cache.max_pinned_tokens is not None},
         )
         for i in range(cfg.groups):
-            groups.append(WorkerGroup(GroupConfig(f"g{i}", engine, cfg.tensor_parallel, use_gpu, url)))
+            groups.append(WorkerGroup(GroupConfig(
+                f"g{i}", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)))
         leaders = {g.name: g.leader for g in groups}
         # Keep this handle until shutdown: the actor lives as long as its creator holds a reference.
         router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(

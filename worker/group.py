@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.events import AllCleared, BlockStored, EventLog, KVEvent
@@ -38,6 +39,7 @@ class GroupConfig:
     use_gpu: bool = False  # one GPU per rank (NCCL); otherwise CPU bundles (gloo)
     event_stream_url: str | None = None  # also publish KV events to this Redis (one stream per group)
     start_timeout_s: float = 300.0
+    accelerator: str | None = None  # resource each rank takes one of: "GPU" with use_gpu, or a custom one
 
 
 class RankActor:
@@ -204,14 +206,20 @@ class WorkerGroup:
 
     def start(self) -> None:
         cfg = self.config
-        per_rank = {"GPU": 1, "CPU": 1} if cfg.use_gpu else {"CPU": 1}
-        self._pg = placement_group([per_rank] * cfg.tp, strategy="STRICT_PACK", name=f"kvgrid-{cfg.name}")
+        accel = cfg.accelerator or ("GPU" if cfg.use_gpu else None)
+        per_rank = {"CPU": 1, accel: 1} if accel else {"CPU": 1}
+        node = self._target_node(accel or "CPU")
+        self._pg = placement_group(
+            [per_rank] * cfg.tp, strategy="STRICT_PACK", name=f"kvgrid-{cfg.name}",
+            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
+        )
         ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
         actor = ray.remote(RankActor)
         self.ranks = [
             actor.options(
                 num_cpus=1,
-                num_gpus=1 if cfg.use_gpu else 0,
+                num_gpus=1 if accel == "GPU" else 0,
+                resources={accel: 1} if accel and accel != "GPU" else None,
                 name=f"kvgrid-{cfg.name}-rank{r}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
             ).remote(r, cfg.tp)
@@ -224,6 +232,32 @@ class WorkerGroup:
             timeout=cfg.start_timeout_s,
         )
         self._follows = [a.follow.remote() for a in self.ranks[1:]]
+
+    def _target_node(self, resource: str) -> str:
+        """The node for this group: one with ``tp`` units of ``resource`` not reserved by other kvgrid groups,
+        preferring the most free, then the fewest kvgrid groups, so groups spread over nodes. A group never
+        waits for a node that cannot hold it whole."""
+        reserved: dict[str, float] = defaultdict(float)
+        groups_on: dict[str, int] = defaultdict(int)
+        for pg in placement_group_table().values():
+            if not pg.get("name", "").startswith("kvgrid-") or pg.get("state") == "REMOVED":
+                continue
+            for index, node in pg["bundles_to_node_id"].items():
+                reserved[node] += pg["bundles"][index].get(resource, 0)
+            for node in set(pg["bundles_to_node_id"].values()):
+                groups_on[node] += 1
+        best: tuple[float, int, str] | None = None
+        for n in ray.nodes():
+            if not n["Alive"]:
+                continue
+            free = n["Resources"].get(resource, 0) - reserved[n["NodeID"]]
+            if free >= self.config.tp and (best is None or (free, -groups_on[n["NodeID"]]) > best[:2]):
+                best = (free, -groups_on[n["NodeID"]], n["NodeID"])
+        if best is None:
+            raise RuntimeError(
+                f"worker group {self.config.name!r} needs {self.config.tp} x {resource} on one node; no node has them free"
+            )
+        return best[2]
 
     def health(self) -> str | None:
         """None when every rank is alive and the leader reports no failure, else the reason."""
