@@ -109,6 +109,11 @@ class ServeConfig(_Strict):
             raise ValueError("must be a power of two")
         return v
 
+    @property
+    def model_id(self) -> str:
+        """The model name clients send: ``demo``, or the model folder's name."""
+        return self.model if self.model == "demo" else self.model.rstrip("/").split("/")[-1]
+
     @model_validator(mode="after")
     def _unique(self) -> ServeConfig:
         names = [t.name for t in self.tenants]

@@ -56,7 +56,8 @@ def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128") ->
     return mac[: key_size(algo)]
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (what block keys hash)."""
     try:
         arr = array.array("I", token_ids)  # C unsigned int: 4 bytes on every platform we run on
     except OverflowError:
@@ -113,7 +114,7 @@ def iter_key_chunks(
     digest = xxhash.xxh3_128_digest if algo == "xxh3_128" else _sha256
     for first in range(start_block, n_full, chunk_blocks):
         last = min(first + chunk_blocks, n_full)
-        data = _token_bytes(token_ids[first * block_size : last * block_size])
+        data = token_bytes(token_ids[first * block_size : last * block_size])
         tag = chunk = None
         if cache is not None:
             tag = xxhash.xxh3_128_digest(b"%s:%d:" % (algo.encode(), block_size) + parent + data)

@@ -22,6 +22,7 @@ from ray import serve
 from ray.exceptions import RayError
 
 from common.config import ServeConfig, TenantConfig, parse_duration
+from common.hashing import token_bytes
 from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
@@ -157,10 +158,6 @@ def _stop_reason(out: RequestOutput) -> str:
     return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
 
 
-def _int_bytes(tokens: list[int]) -> bytes:
-    return b"".join(t.to_bytes(4, "little") for t in tokens)
-
-
 # Serve captures this class when it is decorated: every module-level name it uses must be defined above.
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
@@ -169,7 +166,7 @@ class Gateway:
         self, tenant: TenantConfig, config: ServeConfig, model_path: str, leaders: dict, router, redis_url: str
     ) -> None:
         self.tenant, self.config = tenant, config
-        self.model_id = config.model if config.model == "demo" else config.model.rstrip("/").split("/")[-1]
+        self.model_id = config.model_id
         self.tokenizer = load_tokenizer(model_path)
         mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -444,7 +441,7 @@ class Gateway:
         }
 
     def _entry_key(self, tokens: list[int]) -> str:
-        return f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(_int_bytes(tokens))}"
+        return f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(token_bytes(tokens))}"
 
     def _keep_entry(self, key: str, ttl_s: float) -> None:
         """Create or refresh an explicit entry; a shorter TTL never cuts a longer one."""

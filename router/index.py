@@ -21,10 +21,6 @@ class PrefixIndex:
         self._bit: dict[str, int] = {}
         self._free_bits: list[int] = []
 
-    @property
-    def groups(self) -> list[str]:
-        return list(self._bit)
-
     def __len__(self) -> int:
         return len(self._mask)
 
@@ -36,9 +32,6 @@ class PrefixIndex:
             self._bit[group] = b
             self._keys_of[group] = {}
         return b
-
-    def group_of_bit(self, bit: int) -> str:
-        return next(g for g, b in self._bit.items() if b == bit)
 
     def apply(self, group: str, event: KVEvent) -> None:
         b = self.bit(group)
@@ -72,9 +65,6 @@ class PrefixIndex:
 
     def holders(self, key: bytes) -> int:
         return self._mask.get(key, 0)
-
-    def keys_of(self, group: str) -> set[bytes]:
-        return set(self._keys_of.get(group, ()))
 
     def match(self, keys: list[bytes], extra: dict[bytes, int] | None = None) -> dict[str, int]:
         """Blocks of the longest leading run each group holds (``extra``: more holders per key, e.g.

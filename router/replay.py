@@ -89,12 +89,7 @@ class SimGroup:
 
     def start_prefill(self, r: _Running) -> int:
         """Attach cached leading blocks, allocate the rest; returns the tokens to compute."""
-        hits = []
-        for k in r.req.keys:
-            b = self.pool.lookup(k)
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.pool.cached_prefix(r.req.keys)
         self.pool.touch(hits)
         r.hit_tokens = min(len(hits) * self.block_size, r.req.input_length)
         need = len(r.req.keys) - len(hits)
@@ -140,12 +135,7 @@ def reference_hit_ratios(trace: list[TraceRequest], capacity_tokens: int, block_
             n += 1
         inf_hit += min(n * block_size, r.input_length)
         seen.update(r.keys[: r.input_length // block_size])
-        hits = []
-        for k in r.keys:
-            b = pool.lookup(k)
-            if b is None:
-                break
-            hits.append(b)
+        hits = pool.cached_prefix(r.keys)
         lru_hit += min(len(hits) * block_size, r.input_length)
         pool.touch(hits)
         # Like the simulated groups, cache full blocks only (a trailing partial block is computed, not kept).

@@ -77,11 +77,10 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
         t0 = cfg.tenants[0]
-        model_id = cfg.model if cfg.model == "demo" else cfg.model.rstrip("/").split("/")[-1]
         print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
         print(f"  curl -s {base}/{t0.name}/v1/chat/completions -H \"Authorization: Bearer $KVGRID_API_KEY\" "
               "-H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+              f"-d '{{\"model\": \"{cfg.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
               "\"max_tokens\": 16}'")
         print("ready", flush=True)
         stop = stop or threading.Event()

@@ -102,6 +102,16 @@ class BlockPool:
     def lookup(self, key: bytes) -> Block | None:
         return self.key_to_block.get(key)
 
+    def cached_prefix(self, keys: Iterable[bytes]) -> list[Block]:
+        """The blocks of the longest run of leading ``keys`` that are cached (not referenced yet)."""
+        hits = []
+        for key in keys:
+            b = self.key_to_block.get(key)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
         for b in blocks:

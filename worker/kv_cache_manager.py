@@ -42,14 +42,7 @@ class KVCacheManager:
 
     def find_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached leading blocks of ``seq``, leaving at least its last token to compute."""
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for key in self.keys_of(seq, max_blocks):
-            b = self.pool.lookup(key)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return self.pool.cached_prefix(self.keys_of(seq, (seq.num_tokens - 1) // self.block_size))
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""
