@@ -99,8 +99,17 @@ class ServeConfig(_Strict):
     kv_cache_bytes: int = Field(512 * 2**20, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     max_queued_prefill_tokens: int = Field(1_000_000, ge=1)  # per group; beyond it requests get 429
+    max_groups: int | None = Field(None, ge=1)  # the most groups `kvgrid scale` may ask for (default 2 x groups)
     http: HttpConfig = HttpConfig()
+    admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API
     tenants: list[TenantConfig] = Field(min_length=1)
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _admin_keys(cls, v: list[str]) -> list[str]:
+        if any(len(k) < 16 for k in v):
+            raise ValueError("every admin key must have at least 16 characters")
+        return v
 
     @field_validator("block_size")
     @classmethod
@@ -119,10 +128,20 @@ class ServeConfig(_Strict):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError("tenant names must be unique")
+        if "admin" in names:
+            raise ValueError("the tenant name 'admin' is reserved (the admin API lives under /admin)")
         keys = [k for t in self.tenants for k in t.api_keys]
         if len(set(keys)) != len(keys):
             raise ValueError("an API key may belong to one tenant only")
+        if set(keys) & set(self.admin_keys):
+            raise ValueError("an admin key cannot also be a tenant's API key")
+        if self.max_groups is not None and self.max_groups < self.groups:
+            raise ValueError("max_groups must be >= groups")
         return self
+
+    @property
+    def group_limit(self) -> int:
+        return self.max_groups or 2 * self.groups
 
 
 def load_config(path: str | Path) -> ServeConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -79,8 +80,6 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    import json
-
     from router.policy import POLICIES
     from router.replay import format_result, load_trace, replay
 
@@ -117,6 +116,62 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.run(args.config, address=args.address, redis_url=args.redis)
 
 
+def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    """One call to a running server's admin API; raises ValueError with the server's message."""
+    import httpx
+
+    key = args.admin_key or os.environ.get("KVGRID_ADMIN_KEY")
+    if not key:
+        raise ValueError("no admin key: pass --admin-key or set KVGRID_ADMIN_KEY (one of admin_keys in the config)")
+    url = args.url.rstrip("/") + "/admin/v1" + path
+    try:
+        r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
+    if r.status_code == 404 and "error" not in r.text:
+        raise ValueError(f"{args.url} has no admin API (is admin_keys set in its config?)")
+    if r.status_code != 200:
+        try:
+            msg = r.json()["error"]["message"]
+        except Exception:
+            msg = r.text[:200]
+        raise ValueError(f"{r.status_code}: {msg}")
+    return r.json()
+
+
+def _print_groups(groups: list[dict]) -> None:
+    print(f"{'group':<8} {'state':<11} {'restarts':>8} {'running':>8} {'waiting':>8} {'requests':>9} "
+          f"{'pinned':>7} {'index keys':>11}")
+    for g in groups:
+        st, rt = g.get("stats") or {}, g.get("router") or {}
+        print(f"{g['name']:<8} {g['state']:<11} {g['restarts']:>8} {st.get('running', '-'):>8} "
+              f"{st.get('waiting', '-'):>8} {st.get('requests', '-'):>9} {st.get('blocks_pinned', '-'):>7} "
+              f"{rt.get('index_keys', '-'):>11}")
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    body = {"groups": args.groups, "remove": args.remove or []}
+    if args.drain_timeout is not None:
+        body["drain_timeout_s"] = args.drain_timeout
+    _print_groups(_admin_call(args, "POST", "/scale", body)["groups"])
+    return 0
+
+
+def _cmd_groups(args: argparse.Namespace) -> int:
+    groups = _admin_call(args, "GET", "/groups")["groups"]
+    if args.json:
+        print(json.dumps(groups, indent=2))
+    else:
+        _print_groups(groups)
+    return 0
+
+
+def _admin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--admin-key", default=None, help="an admin key (default: $KVGRID_ADMIN_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -143,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
     s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
     s.set_defaults(func=_cmd_serve)
+
+    sc = sub.add_parser("scale", help="start or drain worker groups of a running server (admin API)")
+    sc.add_argument("--groups", type=int, required=True, help="how many groups to run")
+    sc.add_argument("--remove", action="append", metavar="GROUP",
+                    help="drain this group when scaling down (repeatable; default: the newest)")
+    sc.add_argument("--drain-timeout", type=float, default=None,
+                    help="seconds a draining group's requests may still run (default 120)")
+    _admin_args(sc)
+    sc.set_defaults(func=_cmd_scale)
+    gr = sub.add_parser("groups", help="list the worker groups of a running server (admin API)")
+    gr.add_argument("--json", action="store_true")
+    _admin_args(gr)
+    gr.set_defaults(func=_cmd_groups)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -36,7 +36,7 @@ from router.apis import (
     MessagesRequest,
     gemini_text,
 )
-from router.router import Overloaded
+from router.router import NoGroup, Overloaded
 from router.store import CachedContentStore, TenantStore, UsageLedger
 
 MAX_BODY_BYTES = 4 * 2**20
@@ -45,6 +45,13 @@ MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
 
 app = FastAPI(title="kvgrid tenant gateway")
+
+
+MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
+
+
+class _GroupFailed(Exception):
+    """The worker group running a request failed (died or lost a rank)."""
 
 
 class ApiError(Exception):
@@ -163,14 +170,13 @@ def _stop_reason(out: RequestOutput) -> str:
 @serve.ingress(app)
 class Gateway:
     def __init__(
-        self, tenant: TenantConfig, config: ServeConfig, model_path: str, leaders: dict, router, redis_url: str
+        self, tenant: TenantConfig, config: ServeConfig, model_path: str, router, redis_url: str
     ) -> None:
         self.tenant, self.config = tenant, config
         self.model_id = config.model_id
         self.tokenizer = load_tokenizer(model_path)
         mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.leaders = leaders
         self.router = router  # the RouterService actor
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = TenantStore(self.redis)
@@ -248,42 +254,58 @@ class Gateway:
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
     async def _generate(
-        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int, pin_ttl_s: float, account
+        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int, pin_ttl_s: float, account,
+        restartable: bool = False,
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
         """Route and run one request; yields (output, tokens the router expected cached). However it ends
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
-        once, and an unfinished request is aborted on its group."""
-        try:
-            decision = await self.router.route.remote(self.tenant.name, prompt)
-        except RayError as exc:
-            if isinstance(getattr(exc, "cause", None), Overloaded):
-                raise _err(429, f"overloaded: {exc.cause}; retry shortly", api) from None
-            raise _err(503, f"no worker group available: {type(exc).__name__}", api) from None
-        out: RequestOutput | None = None
-        finished = False
-        try:
-            leader = self.leaders[decision.group]
-            gen = leader.generate.remote(prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
-            async for ref in gen:
-                try:
-                    out = await ref
-                except RayError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, ValueError):
-                        raise _err(400, str(cause), api) from None
-                    raise _err(503, f"worker group {decision.group} failed; retry", api) from None
-                if not finished and len(out.token_ids) == len(out.new_token_ids):
-                    self.router.on_prefill_done.remote(decision.request_id)
-                finished = out.finished
-                yield out, decision.cached_tokens
-        finally:
-            self.router.on_finish.remote(decision.request_id)
-            if not finished:
-                leader = self.leaders.get(decision.group)
-                if leader is not None:
-                    leader.abort.remote(decision.request_id)
-            if out is not None:
-                account(out, decision.cached_tokens)
+        once, and an unfinished request is aborted on its group.
+
+        A group that fails is reported to the router (which routes nothing more to it) and the request is
+        retried on another group, as long as nothing has been yielded yet, or at any point when
+        ``restartable`` (the caller keeps only the last output)."""
+        failed: list[str] = []
+        while True:
+            try:
+                decision = await self.router.route.remote(self.tenant.name, prompt, None, failed)
+            except RayError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Overloaded):
+                    raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
+                detail = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+                raise _err(503, f"no worker group available ({detail}); retry shortly", api) from None
+            out: RequestOutput | None = None
+            yielded = finished = False
+            try:
+                gen = decision.leader.generate.remote(
+                    prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
+                async for ref in gen:
+                    try:
+                        out = await ref
+                    except RayError as exc:
+                        cause = getattr(exc, "cause", None)
+                        if isinstance(cause, ValueError):
+                            raise _err(400, str(cause), api) from None
+                        raise _GroupFailed(f"{type(exc).__name__}: {cause or exc}") from None
+                    if not finished and len(out.token_ids) == len(out.new_token_ids):
+                        self.router.on_prefill_done.remote(decision.request_id)
+                    finished = out.finished
+                    yielded = True
+                    yield out, decision.cached_tokens
+                return
+            except _GroupFailed as exc:
+                self.router.report_failure.remote(decision.group, str(exc))
+                failed.append(decision.group)
+                if (yielded and not restartable) or len(failed) > MAX_GROUP_RETRIES:
+                    raise _err(503, f"worker group {decision.group} failed during the request; retry it",
+                               api) from None
+                out = None  # nothing of the failed attempt is billed: the retry starts over
+            finally:
+                self.router.on_finish.remote(decision.request_id)
+                if not finished:
+                    decision.leader.abort.remote(decision.request_id)
+                if out is not None:
+                    account(out, decision.cached_tokens)
 
     def _account(self, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0) -> None:
         n_prompt = len(out.prompt_token_ids)
@@ -335,7 +357,7 @@ class Gateway:
         """Run a chat or text completion and answer it, streamed or whole."""
         self._check_length(prompt, "openai")
         params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
-        run = self._generate(prompt, params, "openai", pin, ttl or 300.0, self._account_openai)
+        run = self._generate(prompt, params, "openai", pin, ttl or 300.0, self._account_openai, not body.stream)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
         if body.stream:
             usage_wanted = bool((body.stream_options or {}).get("include_usage"))
@@ -427,7 +449,7 @@ class Gateway:
                 for pos, key in entries.items():
                     self._keep_entry(key, ttl_at[pos])
 
-        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl, account)
+        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl, account, not body.stream)
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await _primed(run)
@@ -562,7 +584,7 @@ class Gateway:
             raise _err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", "openai")
         # Compute and pin it now, so the first use is already a read.
         await _last(self._generate(tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl,
-                                   _no_account))
+                                   _no_account, True))
         cc = self.contents.create(self.tenant.name, {"text": text}, tokens, ttl)
         self.ledger.record(self.tenant.name, cache_write_tokens=len(tokens))
         return cc.public()
@@ -598,7 +620,7 @@ class Gateway:
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         await _last(self._generate(cc.token_ids, SamplingParams(max_tokens=1, temperature=0.0), "openai",
-                                   len(cc.token_ids), ttl, _no_account))  # re-pin for the new lifetime
+                                   len(cc.token_ids), ttl, _no_account, True))  # re-pin for the new lifetime
         return cc.public()
 
     @app.delete("/v1/cachedContents/{cid}")
@@ -614,7 +636,7 @@ class Gateway:
     async def metrics(self, request: Request):
         self._auth(request, "openai")  # usage and load are the tenant's business only
         m = self.metrics
-        for group, leader in self.leaders.items():
+        for group, leader in (await self.router.leaders_now.remote()).items():
             try:
                 s = await leader.stats.remote()
             except RayError:

@@ -63,6 +63,22 @@ class PrefixIndex:
             self._drop(k, b)
         self._free_bits.append(b)
 
+    def key_counts(self) -> dict[str, int]:
+        """Keys held per group, counted from the key -> groups map itself; bits of no current group count under
+        ``"?"`` (there should be none)."""
+        counts: dict[int, int] = {}
+        for m in self._mask.values():
+            while m:
+                low = m & -m
+                counts[low] = counts.get(low, 0) + 1
+                m ^= low
+        by_bit = {b: g for g, b in self._bit.items()}
+        out: dict[str, int] = {}
+        for b, n in counts.items():
+            g = by_bit.get(b, "?")
+            out[g] = out.get(g, 0) + n
+        return out
+
     def holders(self, key: bytes) -> int:
         return self._mask.get(key, 0)
 

@@ -7,8 +7,9 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, block_keys, iter_key_chunks, tenant_root_key
@@ -21,11 +22,16 @@ class Overloaded(RuntimeError):
     """Every group's prefill queue is at its limit: the caller should retry later (HTTP 429)."""
 
 
+class NoGroup(RuntimeError):
+    """No worker group can take a request now (none started, all draining or failed): retry later (HTTP 503)."""
+
+
 @dataclass
 class RouteDecision:
     request_id: str
     group: str
     cached_tokens: int  # prompt tokens the chosen group holds (index + predictions)
+    leader: Any = None  # the group's rank-0 actor, filled in by the router service
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Router:
         self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
         self._ids = itertools.count()
+        self.paused: set[str] = set()  # known groups that get no new requests (draining, or suspected dead)
         for g in groups:
             self.add_group(g)
 
@@ -80,12 +87,23 @@ class Router:
     def add_group(self, group: str) -> None:
         self.index.bit(group)
         self.loads.setdefault(group, GroupLoad())
+        self.paused.discard(group)
+
+    def pause_group(self, group: str, paused: bool = True) -> None:
+        """Stop (or resume) routing new requests to ``group``; its index entries and in-flight requests stay."""
+        if group not in self.loads:
+            raise KeyError(f"unknown worker group {group!r}")
+        if paused:
+            self.paused.add(group)
+        else:
+            self.paused.discard(group)
 
     def remove_group(self, group: str) -> None:
         """Stop routing to ``group`` and drop its index entries and predictions at once."""
         bit = self.index.bit(group)
         self.index.remove_group(group)
         self.loads.pop(group, None)
+        self.paused.discard(group)
         for key in [k for k, m in self._predicted.items() if m & bit]:
             self._unpredict(key, bit)
         # Its requests must not touch the load of a new group that reuses the name.
@@ -131,30 +149,33 @@ class Router:
         self._expire()
         return self.index.match_chunks(chunks, self._predicted)
 
-    def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
-        """Pick a group for this tenant's prompt. Keys are hashed lazily: a prompt whose leading blocks no
-        group holds costs a few hashes, not one per block."""
+    def route(
+        self, tenant: str, token_ids: Sequence[int], request_id: str | None = None, exclude: Collection[str] = ()
+    ) -> RouteDecision:
+        """Pick a group for this tenant's prompt (never a paused one, nor one in ``exclude``). Keys are hashed
+        lazily: a prompt whose leading blocks no group holds costs a few hashes, not one per block."""
         self.poll_events()
         root = self.root_key(tenant)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        return self._route(_Tee(lazy), len(token_ids), request_id)
+        return self._route(_Tee(lazy), len(token_ids), request_id, exclude)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
-        return self._route(_Tee(iter([keys])), num_tokens, request_id)
+        return self._route(_Tee(iter([keys])), num_tokens, request_id, ())
 
-    def _route(self, keys: _Tee, num_tokens: int, request_id: str | None) -> RouteDecision:
-        if not self.loads:
-            raise RuntimeError("no worker group to route to")
+    def _route(self, keys: _Tee, num_tokens: int, request_id: str | None, exclude: Collection[str]) -> RouteDecision:
+        open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
+        if not open_groups:
+            raise NoGroup("no worker group is serving" if not self.loads else
+                          f"no worker group is accepting requests (paused or failed: {sorted(self.loads)})")
         cached = self._match_chunks(keys)
         self._decay_recent()
         if self.policy.needs_all_keys:
             keys.take(None)
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
-        open_groups = self.loads
         if self.max_queued_prefill_tokens is not None:
             limit = self.max_queued_prefill_tokens
-            open_groups = {g: load for g, load in self.loads.items() if load.queued_prefill_tokens < limit}
+            open_groups = {g: load for g, load in open_groups.items() if load.queued_prefill_tokens < limit}
             if not open_groups:
                 raise Overloaded(f"every worker group has {limit} or more prefill tokens queued")
         group = self.policy.choose(req, open_groups)

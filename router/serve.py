@@ -35,11 +35,13 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
 
     from common.demo_model import resolve_model
     from common.hashing import new_secret
+    from router.admin import Admin
     from router.gateway import Gateway
     from router.service import RouterService
-    from router.store import TenantStore
+    from router.store import TenantStore, hash_api_key
+    from router.supervisor import Supervisor
     from worker.engine import EngineConfig
-    from worker.group import GroupConfig, WorkerGroup, init_local_ray
+    from worker.group import GroupConfig, init_local_ray
 
     cfg: ServeConfig = load_config(config_path)
     if address and not redis_url:
@@ -47,10 +49,10 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
     model_path = str(resolve_model(cfg.model))
     secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
     client, url, embedded = _start_redis(redis_url)
-    groups: list[WorkerGroup] = []
+    supervisor = None
     try:
         TenantStore(client).register(cfg.tenants)
-        init_local_ray(num_cpus=None if address else max(4, cfg.groups * cfg.tensor_parallel + 2), address=address)
+        init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
         import ray
 
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
@@ -60,22 +62,28 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
             pinned_token_limits={t.name: t.cache.max_pinned_tokens for t in cfg.tenants
                                  if t.cache.max_pinned_tokens is not None},
         )
-        for i in range(cfg.groups):
-            groups.append(WorkerGroup(GroupConfig(
-                f"g{i}", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)))
-        leaders = {g.name: g.leader for g in groups}
-        # Keep this handle until shutdown: the actor lives as long as its creator holds a reference.
+        # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(
-            leaders, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens)
+            {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens)
+        template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
+        supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", num_cpus=0, max_concurrency=16).remote(
+            template, router, url, max_groups=cfg.group_limit)
+        ray.get(supervisor.scale.remote(cfg.groups))
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         for t in cfg.tenants:
-            app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, leaders, router, url)
+            app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, router, url)
             serve.run(app, name=f"tenant-{t.name}", route_prefix=f"/{t.name}", blocking=False)
+        if cfg.admin_keys:
+            admin = Admin.options(name="admin").bind(
+                [hash_api_key(k) for k in cfg.admin_keys], [t.name for t in cfg.tenants], supervisor, router)
+            serve.run(admin, name="kvgrid-admin", route_prefix="/admin", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
         print(f"redis: {'embedded' if embedded else redis_url}")
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
+        print(f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)" if cfg.admin_keys else
+              "  admin API: off (no admin_keys in the config)")
         t0 = cfg.tenants[0]
         print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
         print(f"  curl -s {base}/{t0.name}/v1/chat/completions -H \"Authorization: Bearer $KVGRID_API_KEY\" "
@@ -90,13 +98,12 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         ray.get(router.poll.remote())  # the router follows the groups' events from now on
         stop.wait()
         print("shutting down", flush=True)
-        ray.kill(router)
         return 0
     finally:
-        _shutdown(groups, embedded)
+        _shutdown(supervisor, embedded)
 
 
-def _shutdown(groups, embedded) -> None:
+def _shutdown(supervisor, embedded) -> None:
     import ray
 
     if ray.is_initialized():
@@ -106,8 +113,11 @@ def _shutdown(groups, embedded) -> None:
             serve.shutdown()
         except Exception as exc:  # keep tearing down the rest
             print(f"serve shutdown: {exc}", file=sys.stderr)
-        for g in groups:
-            g.shutdown()
+        if supervisor is not None:
+            try:
+                ray.get(supervisor.shutdown.remote(), timeout=60)
+            except Exception as exc:
+                print(f"group shutdown: {exc}", file=sys.stderr)
         ray.shutdown()
     if embedded is not None:
         embedded.shutdown()

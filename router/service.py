@@ -91,9 +91,37 @@ class RouterService:
             self.stream.needs_resync.discard(group)  # only once the snapshot is in
         return len(batch)
 
-    async def route(self, tenant: str, token_ids: Sequence[int], request_id: str | None = None) -> RouteDecision:
+    async def route(
+        self, tenant: str, token_ids: Sequence[int], request_id: str | None = None, exclude: Sequence[str] = ()
+    ) -> RouteDecision:
+        """A group for the request, with its leader's handle (groups come and go: callers keep no list)."""
         self._ensure_poller()
-        return self.router.route(tenant, token_ids, request_id)
+        decision = self.router.route(tenant, token_ids, request_id, exclude)
+        decision.leader = self.leaders[decision.group]
+        return decision
+
+    def report_failure(self, group: str, reason: str) -> None:
+        """A caller saw ``group`` fail: route nothing more to it until the supervisor has restarted it."""
+        if group in self.router.loads:
+            self.router.pause_group(group)
+            print(f"kvgrid router: group {group} paused after a failure ({reason})", flush=True)
+
+    def pause_group(self, group: str, paused: bool = True) -> None:
+        self.router.pause_group(group, paused)
+
+    def groups(self) -> dict[str, dict]:
+        """Per group: whether it is paused, its load, and how many keys the index holds for it."""
+        held = self.router.index.key_counts()
+        return {g: {"paused": g in self.router.paused, "index_keys": held.get(g, 0),
+                    "queued_prefill_tokens": load.queued_prefill_tokens, "running": load.running}
+                for g, load in self.router.loads.items()}
+
+    def index_key_counts(self) -> dict[str, int]:
+        """Keys the index holds per group, counted from the index itself (``"?"``: bits of no known group)."""
+        return self.router.index.key_counts()
+
+    def leaders_now(self) -> dict:
+        return dict(self.leaders)
 
     def on_prefill_done(self, request_id: str) -> None:
         self.router.on_prefill_done(request_id)

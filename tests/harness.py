@@ -79,6 +79,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        starts = self._ready_lines() + 1
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url],
@@ -88,13 +89,16 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"kvgrid serve exited:\n{self.log_text()[-3000:]}"
             try:
-                if all(httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5).status_code == 200
+                if self._ready_lines() >= starts and all(httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5).status_code == 200
                        for t, k in self.ready):
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
         raise AssertionError(f"kvgrid serve did not become ready:\n{self.log_text()[-3000:]}")
+
+    def _ready_lines(self) -> int:
+        return self.log_text().splitlines().count("ready")  # kvgrid serve prints it once everything is up
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -118,8 +122,8 @@ def an(server: Server, tenant: str = "globex", key: str = GLOBEX_KEY) -> anthrop
     return anthropic.Anthropic(base_url=f"{server.base}/{tenant}", api_key=key, max_retries=0, timeout=120)
 
 
-def chat(client: openai.OpenAI, user: str, system: str = SYSTEM, **kw):
+def chat(client: openai.OpenAI, user: str, system: str = SYSTEM, max_tokens: int = 12, **kw):
     return client.chat.completions.create(
         model="demo", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=12, temperature=0, **kw,
+        max_tokens=max_tokens, temperature=0, **kw,
     )

@@ -210,3 +210,32 @@ def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
         router.route("acme", list(range(2000, 2010)))
     router.on_finish(first.request_id)
     assert router.route("acme", list(range(2000, 2010))).group == first.group
+
+
+def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_behind():
+    import pytest
+
+    from router.router import NoGroup
+
+    router = Router(["g0", "g1", "g2"], SECRET)
+    doc = list(range(256))
+    keys = router.keys_for("acme", doc)
+    router.apply_event("g1", BlockStored(keys, None))
+    router.apply_event("g2", BlockStored(keys[:4], None))
+    assert router.route("acme", doc + [1]).group == "g1"  # the prefix holder
+    router.pause_group("g1")
+    picks = {router.route("acme", doc + [i]).group for i in range(2, 8)}
+    assert "g1" not in picks
+    with pytest.raises(NoGroup):
+        router.route("acme", doc + [10], exclude=["g0", "g2"])
+    router.pause_group("g1", False)
+    assert router.route("acme", doc + [11]).group == "g1"
+    assert router.index.key_counts() == {"g1": len(keys), "g2": 4}  # predictions are not index entries
+    router.remove_group("g1")
+    counts = router.index.key_counts()
+    assert "g1" not in counts and "?" not in counts
+    assert "g1" not in router.match(keys)
+    router.apply_event("g1", BlockStored(keys, None))  # a late event of the removed group is ignored
+    assert "g1" not in router.index.key_counts()
+    with pytest.raises(KeyError):
+        router.pause_group("g1")

@@ -121,6 +121,9 @@ class Engine:
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._roots: dict[str, bytes] = {}
         self._seqs: dict[str, Sequence] = {}
+        # Explicit cache entries by their last block's key: (tenant, prompt tokens, deadline). What a draining
+        # group hands over so another group can recompute and pin them.
+        self._pin_entries: dict[bytes, tuple[str, list[int], float]] = {}
         self._ids = itertools.count()
 
     @property
@@ -245,6 +248,19 @@ class Engine:
         )
         if seq.num_pinned_blocks < upto:  # a limit was reached: stop asking for this request
             seq.pin_blocks = seq.num_pinned_blocks
+        n = seq.num_pinned_blocks
+        if n:
+            key = seq.block_keys[n - 1]
+            old = self._pin_entries.get(key)
+            until = max(now + seq.pin_ttl_s, old[2] if old else 0.0)
+            self._pin_entries[key] = (seq.tenant, seq.token_ids[: n * self.config.block_size], until)
+
+    def pinned_entries(self) -> list[tuple[str, list[int], float]]:
+        """The explicit cache entries still pinned here: (tenant, prompt tokens, seconds left)."""
+        now = time.monotonic()
+        for key in [k for k, (_, _, until) in self._pin_entries.items() if until <= now]:
+            del self._pin_entries[key]
+        return [(t, list(toks), until - now) for t, toks, until in self._pin_entries.values()]
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
         seq.token_ids.append(tok)

@@ -176,6 +176,17 @@ class RankActor:
         """None when healthy, else the reason the group failed."""
         return self.error
 
+    def info(self) -> dict:
+        """Where this rank runs (for operators and tests)."""
+        import os
+
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def pinned_entries(self) -> list[tuple[str, list[int], float]]:
+        """Explicit cache entries pinned in this group: (tenant, prompt tokens, seconds left)."""
+        assert self.engine is not None
+        return await self._locked(self.engine.pinned_entries)
+
     def shutdown(self) -> None:
         """Tell the other ranks to stop following (they return from ``follow``)."""
         from worker.distributed import send_plan

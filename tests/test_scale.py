@@ -1,0 +1,184 @@
+"""Scaling a running `kvgrid serve` (admin API, `kvgrid scale`) and losing a group, both under steady load."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from harness import ACME_KEY, ADMIN_KEY, SYSTEM, RedisServer, Server, chat, free_port, oa, write_config
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    port = free_port()
+    config = write_config(tmp_path_factory.mktemp("serve"), port, f"""
+model: demo
+block_size: 16
+groups: 2
+max_groups: 3
+device: cpu
+kv_cache_bytes: 33554432
+max_model_len: 1024
+admin_keys: [{ADMIN_KEY}]
+tenants:
+  - name: acme
+    api_keys: [{ACME_KEY}]
+    cache: {{mode: implicit, min_prefix_tokens: 32}}
+""")
+    srv = Server(config, redis.url, port, [("acme", ACME_KEY)])
+    srv.start()
+    yield srv
+    srv.stop()
+    redis.stop()
+
+
+def admin(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, f"{server.base}/admin/v1{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                         timeout=300, **kw)
+
+
+def groups(server) -> tuple[dict[str, dict], dict[str, int]]:
+    body = admin(server, "GET", "/groups").json()
+    return {g["name"]: g for g in body["groups"]}, body["index_keys"]
+
+
+def kvgrid(server, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "router.cli", *args, "--url", server.base], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "KVGRID_ADMIN_KEY": ADMIN_KEY})
+
+
+class Load:
+    """Clients sending chat requests back to back; every outcome is recorded."""
+
+    def __init__(self, server, clients: int = 3) -> None:
+        self.client = oa(server)
+        self.ok: list[float] = []  # completion times
+        self.errors: list[tuple[int, str, str | None]] = []  # status, message, Retry-After
+        self.other: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        rng = random.Random(i)
+        while not self.stop.is_set():
+            stream = rng.random() < 0.3
+            try:
+                if stream:
+                    chunks = list(chat(self.client, f"Question {rng.randrange(10**6)} from client {i}?", stream=True))
+                    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+                else:
+                    r = chat(self.client, f"Question {rng.randrange(10**6)} from client {i}?", max_tokens=6)
+                    assert r.choices[0].finish_reason in ("length", "stop")
+                self.ok.append(time.monotonic())
+            except openai.APIStatusError as exc:
+                self.errors.append((exc.status_code, exc.message, exc.response.headers.get("retry-after")))
+            except Exception as exc:  # anything else (a dropped connection, a broken stream) is a lost request
+                self.other.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+
+    def completed_since(self, t: float) -> int:
+        return sum(1 for x in self.ok if x > t)
+
+    def assert_nothing_lost(self) -> None:
+        print(f"load: {len(self.ok)} completed, {len(self.errors)} retryable errors {self.errors[:3]}")
+        assert not self.other, self.other[:5]
+        for status, message, retry_after in self.errors:  # only clear, retryable errors
+            assert status in (429, 503) and retry_after is not None and message, (status, message)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
+    headers = {"Authorization": f"Bearer {ACME_KEY}"}
+    assert admin(server, "GET", "/groups").status_code == 200
+    assert httpx.get(f"{server.base}/admin/v1/groups", headers=headers).status_code == 401  # a tenant key
+    with Load(server) as load:
+        wait_for(lambda: len(load.ok) >= 3, 120, "the load to start")
+        up = kvgrid(server, "scale", "--groups", "3")
+        assert up.returncode == 0, up.stderr
+        assert "g2" in up.stdout and "serving" in up.stdout
+        wait_for(lambda: groups(server)[0]["g2"]["stats"]["requests"] > 0, 120, "g2 to receive requests")
+
+        # A cached content object is pinned on one group; drain exactly that group.
+        doc = "The lighthouse tour starts at the north quay at ten and at two. " * 8
+        r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=headers, timeout=120,
+                       json={"contents": [{"parts": [{"text": doc}]}], "ttl": "600s"})
+        assert r.status_code == 200, r.text
+        cc = r.json()
+        before, index = groups(server)
+        holders = [g for g, info in before.items() if info["stats"]["blocks_pinned"] > 0]
+        assert len(holders) == 1
+        holder = holders[0]
+        pinned = before[holder]["stats"]["blocks_pinned"]
+        wait_for(lambda: groups(server)[1].get(holder, 0) > 0, 30, "the holder's events to reach the router")
+
+        down = kvgrid(server, "scale", "--groups", "2", "--remove", holder)
+        assert down.returncode == 0, down.stderr
+        after, index = groups(server)
+        assert sorted(after) == sorted(g for g in before if g != holder)
+        assert holder not in index and "?" not in index  # no key of the drained group is left in the index
+        assert sum(info["stats"]["blocks_pinned"] for info in after.values()) >= pinned  # the pins moved
+        t = time.monotonic()
+        wait_for(lambda: load.completed_since(t) >= 3, 120, "requests to complete after the drain")
+    load.assert_nothing_lost()
+    assert len(load.ok) >= 10
+    used = oa(server).chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "When does the tour start?"}], max_tokens=2,
+        temperature=0, extra_body={"cached_content": cc["name"]})
+    assert used.usage.prompt_tokens_details.cached_tokens >= cc["usageMetadata"]["totalTokenCount"] // 16 * 16
+
+
+def test_scale_refuses_bad_requests_and_bad_keys(server):
+    assert admin(server, "POST", "/scale", json={"groups": 9}).status_code == 400  # over max_groups
+    assert admin(server, "POST", "/scale", json={"groups": 2, "remove": ["nope"]}).status_code == 400
+    assert admin(server, "POST", "/scale", json={"groups": 0}).status_code == 400
+    bad = kvgrid(server, "scale", "--groups", "2", "--admin-key", "not-the-admin-key-at-all")
+    assert bad.returncode == 2 and "401" in bad.stderr
+    listed = kvgrid(server, "groups")
+    assert listed.returncode == 0 and listed.stdout.count("serving") == 2
+
+
+def test_a_killed_group_is_avoided_and_restarted_while_the_cluster_keeps_serving(server):
+    before, _ = groups(server)
+    victim = sorted(before)[0]
+    pid = before[victim]["ranks"][0]["pid"]
+    with Load(server) as load:
+        wait_for(lambda: len(load.ok) >= 3, 120, "the load to start")
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: groups(server)[0][victim]["restarts"] == 1 and
+                 groups(server)[0][victim]["state"] == "serving", 180, "the group to restart")
+        t = time.monotonic()
+        wait_for(lambda: load.completed_since(t) >= 3, 120, "requests to complete after the restart")
+    load.assert_nothing_lost()
+    assert load.completed_since(killed_at) >= 3
+    after, index = groups(server)
+    assert after[victim]["ranks"][0]["pid"] != pid and all(g["state"] == "serving" for g in after.values())
+    assert chat(oa(server), "Are you back?").choices[0].finish_reason in ("length", "stop")
+    assert SYSTEM  # the load used the shared system prompt
