@@ -88,6 +88,7 @@ class TenantConfig(_Strict):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    replicas: int = Field(1, ge=1)  # gateway replicas per tenant (Serve spreads them over the frontend nodes)
 
 
 class ServeConfig(_Strict):

@@ -29,6 +29,20 @@ def _start_redis(url: str | None):
     return embedded, f"unix://{embedded.socket_file}", embedded
 
 
+FRONTEND_RESOURCE = "kvgrid_frontend"  # marks the CPU nodes for gateways and the router (cluster.yaml)
+
+
+def frontend_actor_options() -> dict:
+    """Ray actor options for gateway and router replicas: on a cluster with nodes that offer the
+    ``kvgrid_frontend`` resource (the head and CPU nodes of cluster.yaml) only there, so they never take a GPU
+    node's CPUs; anywhere otherwise. They take no CPU, so a small head holds many."""
+    import ray
+
+    if ray.cluster_resources().get(FRONTEND_RESOURCE, 0) > 0:
+        return {"num_cpus": 0, "resources": {FRONTEND_RESOURCE: 0.001}}
+    return {"num_cpus": 0}
+
+
 def run(config_path: str, address: str | None = None, redis_url: str | None = None,
         stop: threading.Event | None = None) -> int:
     from ray import serve
@@ -63,18 +77,20 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
                                  if t.cache.max_pinned_tokens is not None},
         )
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
-        router = ray.remote(RouterService).options(name="kvgrid-router", num_cpus=0).remote(
+        front = frontend_actor_options()
+        router = ray.remote(RouterService).options(name="kvgrid-router", **front).remote(
             {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens)
         template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
-        supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", num_cpus=0, max_concurrency=16).remote(
+        supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", max_concurrency=16, **front).remote(
             template, router, url, max_groups=cfg.group_limit)
         ray.get(supervisor.scale.remote(cfg.groups))
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         for t in cfg.tenants:
-            app = Gateway.options(name=f"gateway-{t.name}").bind(t, cfg, model_path, router, url)
+            app = Gateway.options(name=f"gateway-{t.name}", num_replicas=cfg.http.replicas,
+                                  ray_actor_options=front).bind(t, cfg, model_path, router, url)
             serve.run(app, name=f"tenant-{t.name}", route_prefix=f"/{t.name}", blocking=False)
         if cfg.admin_keys:
-            admin = Admin.options(name="admin").bind(
+            admin = Admin.options(name="admin", ray_actor_options=front).bind(
                 [hash_api_key(k) for k in cfg.admin_keys], [t.name for t in cfg.tenants], supervisor, router)
             serve.run(admin, name="kvgrid-admin", route_prefix="/admin", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"

@@ -21,6 +21,7 @@ def ray_local():
 
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
     ray.init(
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

@@ -127,7 +127,8 @@ tenants:
     api_keys: [%s]
     cache: {mode: explicit, default_ttl: 5m}
 """ % (ACME_KEY, GLOBEX_KEY, INITECH_KEY))
-    srv = Server(config, redis_url, port, list(KEYS.items()))
+    # RAY_ADDRESS=local: always a private Ray, never a `ray start` cluster another test left on this machine.
+    srv = Server(config, redis_url, port, list(KEYS.items()), env={"RAY_ADDRESS": "local"})
     srv.start()
     yield srv
     srv.stop()
@@ -145,8 +146,9 @@ def _h(tenant: str) -> dict[str, str]:
 
 
 def _unique(tag: str) -> str:
-    """Text that starts a prompt with words no earlier prompt began with (a fresh first block)."""
-    return f"Isolation {tag} {uuid.uuid4().hex[:12]}. "
+    """Text that starts a prompt with words no earlier prompt began with: random first, so that even the
+    first block (16 tokens, 3 of them the chat template's) is new."""
+    return f"{uuid.uuid4().hex[:16]} isolation {tag}. "
 
 
 def _cached_metric(server: Server, tenant: str) -> float:

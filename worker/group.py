@@ -387,6 +387,7 @@ def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> N
         ray.init(address=address, log_to_driver=False)
     else:
         ray.init(
+            address="local",  # always a new instance: never join another Ray running on this machine
             num_cpus=num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
