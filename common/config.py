@@ -58,6 +58,8 @@ class CacheConfig(_Strict):
     min_prefix_tokens: int = Field(1024, ge=1)
     default_ttl: float = 300.0  # seconds; explicit pins and cached content without their own TTL
     max_pinned_tokens: int | None = Field(None, ge=0)
+    # Weight of this tenant's share of every group's KV cache (eviction) and pin budget; see README, isolation.
+    share: float = Field(1.0, gt=0)
 
     @field_validator("default_ttl", mode="before")
     @classmethod
@@ -65,10 +67,19 @@ class CacheConfig(_Strict):
         return parse_duration(v)  # type: ignore[arg-type]
 
 
+class LimitsConfig(_Strict):
+    """Per-tenant limits; beyond them the tenant (only) gets 429 with Retry-After, or 413 for a long prompt."""
+
+    requests_per_s: int | None = Field(None, ge=1)
+    tokens_per_min: int | None = Field(None, ge=1)  # prompt tokens + max output tokens asked for
+    max_prompt_tokens: int | None = Field(None, ge=1)
+
+
 class TenantConfig(_Strict):
     name: str
     api_keys: list[str] = Field(min_length=1)
     cache: CacheConfig = CacheConfig()
+    limits: LimitsConfig = LimitsConfig()
 
     @field_validator("name")
     @classmethod

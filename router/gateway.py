@@ -6,6 +6,7 @@ for a worker group, streams the group's outputs back, and records usage in Redis
 
 
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +38,7 @@ from router.apis import (
     gemini_text,
 )
 from router.router import NoGroup, Overloaded
-from router.store import CachedContentStore, TenantStore, UsageLedger
+from router.store import CachedContentStore, RateLimiter, TenantStore, UsageLedger
 
 MAX_BODY_BYTES = 4 * 2**20
 MAX_BREAKPOINTS = 4
@@ -57,16 +58,18 @@ class _GroupFailed(Exception):
 class ApiError(Exception):
     """An error answered in the calling API's own format."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", api: str = "openai") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", api: str = "openai",
+                 retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.api = status, message, kind, api
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
         if self.api == "anthropic":
             body: dict[str, Any] = {"type": "error", "error": {"type": self.kind, "message": self.message}}
         else:
             body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.status in (429, 503) else None
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -83,11 +86,11 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def _err(status: int, message: str, api: str) -> ApiError:
+def _err(status: int, message: str, api: str, retry_after: float = 1.0) -> ApiError:
     kind = _KINDS.get(status, "api_error")
     if api == "openai" and status == 401:
         kind = "invalid_request_error"
-    return ApiError(status, message, kind, api)
+    return ApiError(status, message, kind, api, retry_after)
 
 
 class _Metrics:
@@ -182,6 +185,7 @@ class Gateway:
         self.keys = TenantStore(self.redis)
         self.ledger = UsageLedger(self.redis)
         self.contents = CachedContentStore(self.redis)
+        self.limiter = RateLimiter(self.redis, tenant.limits.requests_per_s, tenant.limits.tokens_per_min)
         self.metrics = _Metrics(tenant.name)
 
     # -- plumbing ----------------------------------------------------------------------------------------------
@@ -242,11 +246,22 @@ class Gateway:
         except ValueError as exc:
             raise _err(400, str(exc), api) from None
 
-    def _check_length(self, prompt: list[int], api: str) -> None:
+    def _admit(self, prompt: list[int], max_tokens: int, api: str) -> None:
+        """Check the prompt's length and the tenant's limits before any work is done for it."""
         if not prompt:
             raise _err(400, "the prompt is empty", api)
         if len(prompt) >= self.max_model_len:
             raise _err(413, f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len}", api)
+        lim = self.tenant.limits
+        if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
+            raise _err(413, f"the prompt has {len(prompt)} tokens; this tenant may send {lim.max_prompt_tokens}",
+                       api)
+        if lim.tokens_per_min is not None and len(prompt) + max_tokens > lim.tokens_per_min:
+            raise _err(413, f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
+                       f"{lim.tokens_per_min} tokens per minute", api)
+        retry_after = self.limiter.admit(self.tenant.name, len(prompt) + max_tokens)
+        if retry_after is not None:
+            raise _err(429, "rate limit reached for this tenant; retry later", api, retry_after)
 
     def _reported_cached(self, num_cached: int) -> int:
         """Implicit tenants see reuse from ``min_prefix_tokens`` up; explicit tenants see all of it."""
@@ -355,7 +370,7 @@ class Gateway:
 
     async def _openai_respond(self, body, prompt: list[int], pin: int, ttl: float, max_tokens: int, chat: bool):
         """Run a chat or text completion and answer it, streamed or whole."""
-        self._check_length(prompt, "openai")
+        self._admit(prompt, max_tokens, "openai")
         params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
         run = self._generate(prompt, params, "openai", pin, ttl or 300.0, self._account_openai, not body.stream)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
@@ -419,7 +434,7 @@ class Gateway:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         prompt = prefix + ids
-        self._check_length(prompt, "anthropic")
+        self._admit(prompt, body.max_tokens, "anthropic")
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
         bs = self.config.block_size
         ttl_at: dict[int, float] = {}
@@ -578,7 +593,7 @@ class Gateway:
         ttl = self._ttl(body.ttl)
         tokens = self._encode_text(self.tokenizer.apply_chat_template(
             [{"role": "system", "content": text}], add_generation_prompt=False, tokenize=False))
-        self._check_length(tokens, "openai")
+        self._admit(tokens, 1, "openai")
         limit = self.tenant.cache.max_pinned_tokens
         if limit is not None and len(tokens) > limit:
             raise _err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", "openai")

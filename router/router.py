@@ -38,6 +38,7 @@ class RouteDecision:
 class _Inflight:
     group: str
     prefill_tokens: int
+    tenant: str = ""
     decoding: bool = False
 
 
@@ -55,6 +56,7 @@ class Router:
         prediction_blocks: int | None = 128,
         recent_window_s: float = 60.0,
         max_queued_prefill_tokens: int | None = None,
+        tenant_shares: dict[str, float] | None = None,
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -68,6 +70,8 @@ class Router:
         self.prediction_blocks = prediction_blocks
         self.recent_window_s = recent_window_s
         self.max_queued_prefill_tokens = max_queued_prefill_tokens
+        self.tenant_shares = dict(tenant_shares or {})
+        self.queued_by_tenant: dict[str, int] = {}
         self._decayed_at = clock()
         self.events = events
         self.clock = clock
@@ -108,7 +112,9 @@ class Router:
             self._unpredict(key, bit)
         # Its requests must not touch the load of a new group that reuses the name.
         for rid in [r for r, f in self._inflight.items() if f.group == group]:
-            del self._inflight[rid]
+            f = self._inflight.pop(rid)
+            if not f.decoding:
+                self._unqueue(f)
 
     def apply_event(self, group: str, event: KVEvent) -> None:
         if group not in self.loads:
@@ -157,13 +163,15 @@ class Router:
         self.poll_events()
         root = self.root_key(tenant)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        return self._route(_Tee(lazy), len(token_ids), request_id, exclude)
+        return self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
-        return self._route(_Tee(iter([keys])), num_tokens, request_id, ())
+        return self._route(_Tee(iter([keys])), num_tokens, request_id, (), "")
 
-    def _route(self, keys: _Tee, num_tokens: int, request_id: str | None, exclude: Collection[str]) -> RouteDecision:
+    def _route(
+        self, keys: _Tee, num_tokens: int, request_id: str | None, exclude: Collection[str], tenant: str
+    ) -> RouteDecision:
         open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
         if not open_groups:
             raise NoGroup("no worker group is serving" if not self.loads else
@@ -175,20 +183,34 @@ class Router:
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
         if self.max_queued_prefill_tokens is not None:
             limit = self.max_queued_prefill_tokens
-            open_groups = {g: load for g, load in open_groups.items() if load.queued_prefill_tokens < limit}
-            if not open_groups:
-                raise Overloaded(f"every worker group has {limit} or more prefill tokens queued")
+            with_room = {g: load for g, load in open_groups.items() if load.queued_prefill_tokens < limit}
+            if with_room:
+                open_groups = with_room
+            else:  # every queue is full: refuse only a tenant that has its share of them queued already
+                share = self.queue_share(tenant)
+                if self.queued_by_tenant.get(tenant, 0) >= share:
+                    raise Overloaded(f"every worker group has {limit} or more prefill tokens queued and this "
+                                     f"tenant has its share ({share}) of them")
         group = self.policy.choose(req, open_groups)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
         rid = request_id if request_id is not None else f"route-{next(self._ids)}"
-        self._start(rid, group, num_tokens - hit)
+        self._start(rid, group, num_tokens - hit, tenant)
         self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit)
 
     # -- load bookkeeping -------------------------------------------------------------------------------------
 
-    def _start(self, rid: str, group: str, prefill_tokens: int) -> None:
-        self._inflight[rid] = _Inflight(group, prefill_tokens)
+    def queue_share(self, tenant: str) -> int:
+        """Prefill tokens ``tenant`` may have queued once every group's queue is full: its weighted part of all
+        queues (all of them when no shares are configured)."""
+        total = (self.max_queued_prefill_tokens or 0) * len(self.loads)
+        if not self.tenant_shares:
+            return total
+        return int(total * self.tenant_shares.get(tenant, 1.0) / sum(self.tenant_shares.values()))
+
+    def _start(self, rid: str, group: str, prefill_tokens: int, tenant: str = "") -> None:
+        self._inflight[rid] = _Inflight(group, prefill_tokens, tenant)
+        self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + prefill_tokens
         self.loads[group].queued_prefill_tokens += prefill_tokens
         self.loads[group].recent_prefill_tokens += prefill_tokens
 
@@ -205,6 +227,7 @@ class Router:
         if f is None or f.decoding:
             return
         f.decoding = True
+        self._unqueue(f)
         load = self.loads.get(f.group)
         if load is not None:
             load.queued_prefill_tokens -= f.prefill_tokens
@@ -213,6 +236,8 @@ class Router:
     def on_finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed)."""
         f = self._inflight.pop(request_id, None)
+        if f is not None and not f.decoding:
+            self._unqueue(f)
         load = None if f is None else self.loads.get(f.group)
         if load is None:
             return
@@ -220,6 +245,13 @@ class Router:
             load.running -= 1
         else:
             load.queued_prefill_tokens -= f.prefill_tokens
+
+    def _unqueue(self, f: _Inflight) -> None:
+        left = self.queued_by_tenant.get(f.tenant, 0) - f.prefill_tokens
+        if left > 0:
+            self.queued_by_tenant[f.tenant] = left
+        else:
+            self.queued_by_tenant.pop(f.tenant, None)
 
     # -- predictions ------------------------------------------------------------------------------------------
 

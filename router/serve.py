@@ -75,11 +75,13 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
             kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len, secret=secret,
             pinned_token_limits={t.name: t.cache.max_pinned_tokens for t in cfg.tenants
                                  if t.cache.max_pinned_tokens is not None},
+            tenant_shares={t.name: t.cache.share for t in cfg.tenants},
         )
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
         router = ray.remote(RouterService).options(name="kvgrid-router", **front).remote(
-            {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens)
+            {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
+            tenant_shares={t.name: t.cache.share for t in cfg.tenants})
         template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
         supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", max_concurrency=16, **front).remote(
             template, router, url, max_groups=cfg.group_limit)

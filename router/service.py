@@ -25,9 +25,11 @@ class RouterService:
         poll_interval_s: float = 0.02,
         redis_url: str | None = None,
         max_queued_prefill_tokens: int | None = None,
+        tenant_shares: dict[str, float] | None = None,
     ) -> None:
         self.router = Router(
-            list(leaders), secret, block_size, policy, hash_algo, max_queued_prefill_tokens=max_queued_prefill_tokens
+            list(leaders), secret, block_size, policy, hash_algo, max_queued_prefill_tokens=max_queued_prefill_tokens,
+            tenant_shares=tenant_shares,
         )
         self.leaders = dict(leaders)
         self.offsets = {g: 0 for g in leaders}

@@ -144,3 +144,37 @@ class CachedContentStore:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+class RateLimiter:
+    """Per-tenant request and token rates over fixed windows in Redis (shared by every gateway replica). Each
+    tenant's counters are its own keys, so one tenant's traffic never uses another's allowance."""
+
+    def __init__(self, client, requests_per_s: int | None, tokens_per_min: int | None) -> None:
+        self.r = client
+        self.requests_per_s, self.tokens_per_min = requests_per_s, tokens_per_min
+
+    def admit(self, tenant: str, tokens: int, now: float | None = None) -> float | None:
+        """Count one request of ``tokens``; None if it is within the limits, else seconds until it may be
+        retried (a refused request still counts: retrying early does not help)."""
+        if self.requests_per_s is None and self.tokens_per_min is None:
+            return None
+        now = time.time() if now is None else now
+        second, minute = int(now), int(now // 60)
+        pipe = self.r.pipeline()
+        if self.requests_per_s is not None:
+            key = f"kvgrid:rate:{tenant}:req:{second}"
+            pipe.incr(key)
+            pipe.expire(key, 5)
+        if self.tokens_per_min is not None:
+            key = f"kvgrid:rate:{tenant}:tok:{minute}"
+            pipe.incrby(key, tokens)
+            pipe.expire(key, 120)
+        replies = pipe.execute()[::2]
+        if self.requests_per_s is not None:
+            count = replies.pop(0)
+            if count > self.requests_per_s:
+                return second + 1 - now
+        if self.tokens_per_min is not None and replies[0] > self.tokens_per_min:
+            return (minute + 1) * 60 - now
+        return None

@@ -15,8 +15,11 @@ BS = 4
 ROOT = tenant_root_key(b"test-secret", "acme")
 
 
-def make_seq(rid: str, tokens: list[int], root: bytes = ROOT) -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(max_tokens=4), "acme", root, BS)
+ROOTS = {"acme": ROOT, "globex": tenant_root_key(b"test-secret", "globex")}
+
+
+def make_seq(rid: str, tokens: list[int], root: bytes = ROOT, tenant: str = "acme") -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), tenant, root, BS)
 
 
 def compute_all(kv: KVCacheManager, seq: Sequence) -> None:
@@ -118,6 +121,48 @@ def test_reset_clears_only_when_idle():
     assert sink.events[-1] == AllCleared()
 
 
+def test_a_flooding_tenant_evicts_its_own_blocks_before_another_tenants():
+    pool = BlockPool(16)
+    b_blocks = pool.allocate(4)
+    pool.cache(b_blocks, [bytes([66, i]) * 8 for i in range(4)], ROOT, "globex")
+    pool.free(b_blocks)
+    for i in range(200):  # acme: unique prompts of 3 blocks, released at once (a flood)
+        blocks = pool.allocate(3)
+        pool.cache(blocks, [bytes([65, i % 256, j]) + bytes(13) for j in range(3)], ROOT, "acme")
+        pool.free(blocks)
+    assert all(pool.lookup(bytes([66, i]) * 8) is not None for i in range(4))  # globex kept everything
+    assert pool.resident["acme"] == 12 and pool.resident["globex"] == 4
+
+
+def test_a_tenant_over_its_weighted_share_is_evicted_first():
+    pool = BlockPool(8, shares={"acme": 1.0, "globex": 3.0})
+    g = pool.allocate(5)
+    pool.cache(g, [bytes([66, i]) * 8 for i in range(5)], ROOT, "globex")
+    a = pool.allocate(3)
+    pool.cache(a, [bytes([65, i]) * 8 for i in range(3)], ROOT, "acme")
+    pool.free(g + a)
+    pool.allocate(1)  # globex holds 5/3 per share, acme 3/1: acme's oldest block goes
+    assert pool.lookup(bytes([65, 0]) * 8) is None and pool.resident["globex"] == 5
+    even = BlockPool(8)
+    g = even.allocate(5)
+    even.cache(g, [bytes([66, i]) * 8 for i in range(5)], ROOT, "globex")
+    a = even.allocate(3)
+    even.cache(a, [bytes([65, i]) * 8 for i in range(3)], ROOT, "acme")
+    even.free(g + a)
+    even.allocate(1)  # equal shares: globex holds more, so its oldest block goes
+    assert even.lookup(bytes([66, 0]) * 8) is None and even.resident["acme"] == 3
+
+
+def test_when_the_flooder_s_blocks_are_all_in_use_other_tenants_yield():
+    pool = BlockPool(6)
+    g = pool.allocate(2)
+    pool.cache(g, [bytes([66, i]) * 8 for i in range(2)], ROOT, "globex")
+    pool.free(g)
+    held = pool.allocate(4)  # acme: running, every block referenced
+    pool.cache(held, [bytes([65, i]) * 8 for i in range(4)], ROOT, "acme")
+    assert len(pool.allocate(1)) == 1 and pool.resident["globex"] == 1  # the only free block was globex's
+
+
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
 
 
@@ -126,14 +171,15 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(12, BS, "xxh3_128", ListSink())
+        self.kv = KVCacheManager(12, BS, "xxh3_128", ListSink(), shares={"acme": 1.0, "globex": 2.0})
         self.live: list[Sequence] = []
         self.n = 0
         self.now = 0.0
 
-    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=9))
-    def admit(self, base: list[int], cut: int, tail: list[int]) -> None:
-        seq = make_seq(f"r{self.n}", base[:cut] + tail)
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=9),
+          tenant=st.sampled_from(sorted(ROOTS)))
+    def admit(self, base: list[int], cut: int, tail: list[int], tenant: str) -> None:
+        seq = make_seq(f"r{self.n}", base[:cut] + tail, ROOTS[tenant], tenant)
         self.n += 1
         prefix = self.kv.find_prefix(seq)
         n = seq.num_tokens - len(prefix) * BS
@@ -177,7 +223,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self) -> None:
         pool = self.kv.pool
-        queued = {b.block_id for b in pool.free_queue}
+        queued = {b.block_id for b in pool.free_blocks()}
         refs = {b.block_id: 0 for b in pool.blocks}
         for seq in self.live:
             for b in seq.block_table:
@@ -194,6 +240,10 @@ class PoolMachine(RuleBasedStateMachine):
         for key, b in pool.key_to_block.items():
             assert b.key == key
         assert len(queued) == pool.num_free
+        for tenant in ROOTS:  # per-tenant residency, which eviction uses, matches the blocks' keys
+            assert pool.resident[tenant] == sum(1 for b in pool.blocks if b.key is not None and b.tenant == tenant)
+        for tenant, q in pool.cached_queues.items():
+            assert all(b.key is not None and b.tenant == tenant and b.ref_cnt == 0 for b in q)
 
     def teardown(self) -> None:
         for seq in self.live:

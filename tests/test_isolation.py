@@ -12,6 +12,10 @@ the same check *would* see a hit where one is legitimate (so a test cannot pass 
 - no timing channel: another tenant's cached prompt is not measurably faster for globex (two-sample
   Kolmogorov-Smirnov test on client-side time to first token), while the same measurement clearly sees acme's
   own hits.
+
+Two tests are strict xfails that document leaks this suite found (see their reasons): tenant root keys in the
+Redis KV-event stream, and group-level gauges in every tenant's /metrics. Each turns into a failure (XPASS) once
+the product is fixed, so its marker gets removed then.
 """
 
 from __future__ import annotations
@@ -208,6 +212,29 @@ def test_implicit_cache_is_not_shared_between_tenants(server):
         assert f'tenant="{me}"' in text and f'tenant="{other}"' not in text and other not in text
 
 
+def _group_gauges(server: Server, tenant: str) -> dict[str, str]:
+    text = httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant), timeout=30).text
+    return dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvgrid_group_"))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CROSS-TENANT INFORMATION LEAK (by design, README 'GET /{tenant}/metrics'): every tenant's /metrics carries "
+    "the worker groups' free / cached blocks, running, waiting and queued prefill tokens, which move with other "
+    "tenants' traffic, so globex watches acme's activity (volume, timing, prompt sizes). It does not reveal "
+    "which prompts acme has cached. Remove this marker if group gauges leave the tenant endpoint (e.g. to an "
+    "admin-only one)."))
+def test_metrics_do_not_reveal_other_tenants_activity(server, vocab):
+    rng = random.Random(3)
+    before = _group_gauges(server, "globex")
+    assert before, "no group gauges at all"
+    for _ in range(3):
+        oa(server).completions.create(model="demo", prompt=[rng.randrange(5, vocab) for _ in range(200)],
+                                      max_tokens=1)
+    after = _group_gauges(server, "globex")
+    changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    assert changed == {}, f"globex's metrics moved with acme's traffic: {changed}"
+
+
 # -- 2. explicit cache_control pins -------------------------------------------------------------------------------
 
 
@@ -253,7 +280,7 @@ def test_explicit_pins_are_per_tenant(server, redis_url):
 
 
 def test_cached_content_is_invisible_to_other_tenants(server, vocab):
-    doc = _unique("cached content") + "The harbour ferry leaves every hour from pier four; tickets cost three euros. " * 5
+    doc = _unique("cached content") + "The ferry leaves every hour from pier four; tickets cost three euros. " * 5
     cc = _create_cc(server, "acme", doc)
     name = cc["name"]
     cid = name.removeprefix("cachedContents/")
@@ -343,8 +370,8 @@ def _all_requests(server: Server, tenant: str, key_headers: dict[str, str]) -> l
 
 def test_keys_only_open_their_own_tenant(server):
     owned = {t: _create_cc(server, t, _unique("keys") + "notes " * 40)["name"].removeprefix("cachedContents/")
-             for t in ("acme", "globex")}
-    for tenant, other in (("acme", "globex"), ("globex", "acme")):
+             for t in KEYS}
+    for tenant, other in [(t, o) for t in KEYS for o in KEYS if t != o]:
         k = KEYS[other]
         # SDKs: the other tenant's key is rejected.
         with pytest.raises(openai.AuthenticationError):
@@ -511,7 +538,7 @@ def test_request_fields_cannot_choose_the_cache_namespace(server):
     print("namespace attempts:", outcomes)
 
 
-# -- 6. timing channel -------------------------------------------------------------------------------------------------
+# -- 6. timing channel ---------------------------------------------------------------------------------------------
 
 
 def _ttft(client: openai.OpenAI, prompt: list[int]) -> tuple[float, int]:
@@ -574,7 +601,7 @@ def test_no_timing_channel_between_tenants(server, vocab):
     assert p_g > 0.01, f"globex's TTFT depends on acme's cache: {report}"
 
 
-# -- 5. logs (last: covers everything sent above) -------------------------------------------------------------------------
+# -- 5. logs (last: covers everything sent above) ------------------------------------------------------------
 
 
 def test_logs_hold_no_key_secret_or_prompt(server):
@@ -602,6 +629,7 @@ def test_logs_hold_no_key_secret_or_prompt(server):
             if f.is_file() and f.suffix in (".log", ".out", ".err", ".txt"):
                 logs[str(f)] = f.read_bytes()
     assert logs["kvgrid serve output"], "the server wrote no output at all"
+    assert any("serve/replica_tenant-acme" in f for f in logs), "the server's Ray session logs were not found"
     for where, blob in logs.items():
         for name, needle in forbidden.items():
             assert needle not in blob, f"{name} in {where}"

@@ -239,3 +239,22 @@ def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_be
     assert "g1" not in router.index.key_counts()
     with pytest.raises(KeyError):
         router.pause_group("g1")
+
+
+def test_a_tenant_filling_every_queue_is_refused_while_another_tenant_is_still_served():
+    import pytest
+
+    from router.router import Overloaded
+
+    router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100, tenant_shares={"acme": 1.0, "globex": 1.0})
+    flood = [router.route("acme", list(range(i * 1000, i * 1000 + 150))) for i in range(2)]  # both queues full
+    with pytest.raises(Overloaded):  # acme has its share (100 of 200) queued
+        router.route("acme", list(range(5000, 5010)))
+    served = router.route("globex", list(range(5000, 5060)))  # globex is under its share: still routed
+    assert served.group in ("g0", "g1")
+    assert router.queued_by_tenant == {"acme": 300, "globex": 60}
+    for d in flood:
+        router.on_prefill_done(d.request_id)
+    router.on_finish(served.request_id)
+    assert router.queued_by_tenant == {}
+    assert router.route("acme", list(range(6000, 6010))).group in ("g0", "g1")

@@ -1,9 +1,14 @@
-"""The block pool: physical KV blocks, their reference counts, the key -> block map and the LRU free queue.
+"""The block pool: physical KV blocks, their reference counts, the key -> block map and the LRU free queues.
 
-A block with references is in use. A block without references sits in the free queue; if it still has a
-key it is *cached*: a later request with that key takes it back out of the queue (O(1), from anywhere in
-it). Only when a fresh block is needed is the least recently freed block popped and its key forgotten
-(lazy eviction).
+A block with references is in use. A block without references is free; if it still has a key it is
+*cached*: a later request with that key takes it back (O(1), from anywhere in its queue). Only when a fresh
+block is needed and no keyless block is left is a cached block evicted and its key forgotten (lazy eviction).
+
+Tenant shares: every cached key belongs to one tenant (keys are chained from the tenant's root), and each tenant
+has its own LRU queue of cached free blocks. An eviction takes the least recently freed block of the tenant
+that holds the most blocks for its weight (``shares``, default 1 each). So a tenant flooding the cache with
+unique prompts evicts its own blocks first: another tenant's cached blocks go only once that tenant holds more
+than the flooder, for their weights, or when every block of the flooder is in use by a running request.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from common.events import AllCleared, BlockRemoved, BlockStored, EventSink
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "key", "tenant", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.key: bytes | None = None
+        self.tenant = ""  # owner of ``key``
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -81,12 +87,18 @@ class PoolUsage(NamedTuple):
 class BlockPool:
     """Owns ``num_blocks`` physical block ids; the K/V tensors they index live in the model runner."""
 
-    def __init__(self, num_blocks: int, sink: EventSink | None = None) -> None:
+    def __init__(self, num_blocks: int, sink: EventSink | None = None, shares: dict[str, float] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if shares and any(w <= 0 for w in shares.values()):
+            raise ValueError("tenant shares must be positive")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(self.blocks)  # free blocks without a key
+        self.cached_queues: dict[str, FreeBlockQueue] = {}  # per tenant: free blocks that still hold a key
+        self._num_cached_free = 0
+        self.resident: dict[str, int] = defaultdict(int)  # per tenant: blocks holding its keys (used or free)
+        self.shares = dict(shares or {})
         self.key_to_block: dict[bytes, Block] = {}
         self.sink = sink
         # Pins: explicit cache entries. A pinned block holds one reference until its deadline.
@@ -97,7 +109,40 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (free or cached without references)."""
-        return len(self.free_queue)
+        return len(self.free_queue) + self._num_cached_free
+
+    def free_blocks(self):
+        """Every block without references: the keyless ones, then each tenant's cached ones (LRU first)."""
+        yield from self.free_queue
+        for q in self.cached_queues.values():
+            yield from q
+
+    def _enqueue(self, b: Block) -> None:
+        if b.key is None:
+            self.free_queue.append(b)
+            return
+        q = self.cached_queues.get(b.tenant)
+        if q is None:
+            q = self.cached_queues[b.tenant] = FreeBlockQueue(())
+        q.append(b)
+        self._num_cached_free += 1
+
+    def _dequeue(self, b: Block) -> None:
+        if b.key is None:
+            self.free_queue.remove(b)
+        else:
+            self.cached_queues[b.tenant].remove(b)
+            self._num_cached_free -= 1
+
+    def _victim(self) -> Block:
+        """The block to hand out next: a keyless one, else the LRU cached block of the tenant holding the most
+        blocks for its share."""
+        if len(self.free_queue):
+            return self.free_queue.popleft()
+        tenant = max((t for t, q in self.cached_queues.items() if len(q)),
+                     key=lambda t: self.resident[t] / self.shares.get(t, 1.0))
+        self._num_cached_free -= 1
+        return self.cached_queues[tenant].popleft()
 
     def lookup(self, key: bytes) -> Block | None:
         return self.key_to_block.get(key)
@@ -116,30 +161,33 @@ class BlockPool:
         """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self._dequeue(b)
             b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[Block]:
-        """Hand out ``n`` blocks with one reference each, evicting the least recently freed cached ones."""
+        """Hand out ``n`` blocks with one reference each: keyless blocks first, then cached ones evicted by tenant
+        share and LRU order."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         out, evicted = [], []
         for _ in range(n):
-            b = self.free_queue.popleft()
+            b = self._victim()
             assert b.ref_cnt == 0
             if b.key is not None:
                 if self.key_to_block.get(b.key) is b:
                     del self.key_to_block[b.key]
                 evicted.append(b.key)
                 b.key = None
+                self.resident[b.tenant] -= 1
             b.ref_cnt = 1
             out.append(b)
         if evicted and self.sink is not None:
             self.sink.publish(BlockRemoved(evicted))
         return out
 
-    def cache(self, blocks: list[Block], keys: list[bytes], parent_key: bytes | None) -> int:
-        """Register full blocks whose K/V is now written under their chained keys; returns how many were new.
+    def cache(self, blocks: list[Block], keys: list[bytes], parent_key: bytes | None, tenant: str = "") -> int:
+        """Register full blocks whose K/V is now written under ``tenant``'s chained keys; returns how many were
+        new.
 
         A key another block already holds (the same prefix computed twice) keeps its first block; the
         duplicate stays uncached and returns to the pool like any other block.
@@ -151,8 +199,9 @@ class BlockPool:
         for b, key in zip(blocks, keys):
             assert b.ref_cnt > 0, f"caching unreferenced {b}"
             if b.key is None and key not in self.key_to_block:
-                b.key = key
+                b.key, b.tenant = key, tenant
                 self.key_to_block[key] = b
+                self.resident[tenant] += 1
                 run.append(key)
                 stored += 1
             else:
@@ -173,7 +222,7 @@ class BlockPool:
             assert b.ref_cnt > 0, f"double free of {b}"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                self._enqueue(b)
 
     def pin(
         self,
@@ -226,8 +275,14 @@ class BlockPool:
         """Forget every cached key. Only possible while no block is in use; returns whether it happened."""
         if self.num_free != self.num_blocks:
             return False
-        for b in self.blocks:
-            b.key = None
+        for q in self.cached_queues.values():
+            while len(q):
+                b = q.popleft()
+                b.key = None
+                self.free_queue.append(b)
+        self.cached_queues.clear()
+        self._num_cached_free = 0
+        self.resident.clear()
         self.key_to_block.clear()
         if self.sink is not None:
             self.sink.publish(AllCleared())

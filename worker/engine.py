@@ -57,6 +57,9 @@ class EngineConfig:
     max_pinned_tokens_per_tenant: int | None = None
     pinned_token_limits: dict[str, int] = field(default_factory=dict)  # per tenant, overrides the above
     max_pinned_fraction: float = 0.5  # of all blocks, over every tenant: pins never starve requests
+    # Weights of the tenants' shares of the cache: eviction takes from the tenant holding the most for its weight,
+    # and a listed tenant without a pin limit may pin its weighted part of ``max_pinned_fraction``.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -114,7 +117,8 @@ class Engine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.hash_algo, event_sink)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
@@ -240,10 +244,8 @@ class Engine:
     def _pin(self, seq: Sequence, now: float) -> None:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
         upto = min(seq.pin_blocks, seq.num_registered_blocks)
-        limit = self.config.pinned_token_limits.get(seq.tenant, self.config.max_pinned_tokens_per_tenant)
         seq.num_pinned_blocks = self.kv.pool.pin(
-            seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant,
-            None if limit is None else limit // self.config.block_size,
+            seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant, self.pin_limit_blocks(seq.tenant),
             int(self.config.max_pinned_fraction * self.num_blocks),
         )
         if seq.num_pinned_blocks < upto:  # a limit was reached: stop asking for this request
@@ -254,6 +256,18 @@ class Engine:
             old = self._pin_entries.get(key)
             until = max(now + seq.pin_ttl_s, old[2] if old else 0.0)
             self._pin_entries[key] = (seq.tenant, seq.token_ids[: n * self.config.block_size], until)
+
+    def pin_limit_blocks(self, tenant: str) -> int | None:
+        """The most blocks ``tenant`` may pin: its configured limit, else its weighted share of the pin budget
+        (so no tenant's pins can use up the budget of the others), else only the overall cap."""
+        c = self.config
+        limit = c.pinned_token_limits.get(tenant, c.max_pinned_tokens_per_tenant)
+        if limit is not None:
+            return limit // c.block_size
+        if tenant in c.tenant_shares:
+            budget = c.max_pinned_fraction * self.num_blocks
+            return int(budget * c.tenant_shares[tenant] / sum(c.tenant_shares.values()))
+        return None
 
     def pinned_entries(self) -> list[tuple[str, list[int], float]]:
         """The explicit cache entries still pinned here: (tenant, prompt tokens, seconds left)."""

@@ -25,10 +25,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, hash_algo: str, sink: EventSink | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, hash_algo: str, sink: EventSink | None = None,
+        shares: dict[str, float] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self.pool = BlockPool(num_blocks, sink)
+        self.pool = BlockPool(num_blocks, sink, shares)
         self.stats: dict[str, PrefixCacheStats] = defaultdict(PrefixCacheStats)
 
     def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -90,7 +93,7 @@ class KVCacheManager:
             return []
         keys = self.keys_of(seq, num_full)[start:]
         parent = seq.block_keys[start - 1] if start else seq.root_key
-        self.pool.cache(seq.block_table[start:num_full], keys, parent)
+        self.pool.cache(seq.block_table[start:num_full], keys, parent, seq.tenant)
         seq.num_registered_blocks = num_full
         return keys
 
