@@ -123,11 +123,11 @@ def test_reset_clears_only_when_idle():
 
 def test_a_flooding_tenant_evicts_its_own_blocks_before_another_tenants():
     pool = BlockPool(16)
-    b_blocks = pool.allocate(4)
+    b_blocks = pool.allocate(4, "globex")
     pool.cache(b_blocks, [bytes([66, i]) * 8 for i in range(4)], ROOT, "globex")
     pool.free(b_blocks)
     for i in range(200):  # acme: unique prompts of 3 blocks, released at once (a flood)
-        blocks = pool.allocate(3)
+        blocks = pool.allocate(3, "acme")
         pool.cache(blocks, [bytes([65, i % 256, j]) + bytes(13) for j in range(3)], ROOT, "acme")
         pool.free(blocks)
     assert all(pool.lookup(bytes([66, i]) * 8) is not None for i in range(4))  # globex kept everything
@@ -136,31 +136,33 @@ def test_a_flooding_tenant_evicts_its_own_blocks_before_another_tenants():
 
 def test_a_tenant_over_its_weighted_share_is_evicted_first():
     pool = BlockPool(8, shares={"acme": 1.0, "globex": 3.0})
-    g = pool.allocate(5)
+    g = pool.allocate(5, "globex")
     pool.cache(g, [bytes([66, i]) * 8 for i in range(5)], ROOT, "globex")
-    a = pool.allocate(3)
+    a = pool.allocate(3, "acme")
     pool.cache(a, [bytes([65, i]) * 8 for i in range(3)], ROOT, "acme")
     pool.free(g + a)
-    pool.allocate(1)  # globex holds 5/3 per share, acme 3/1: acme's oldest block goes
-    assert pool.lookup(bytes([65, 0]) * 8) is None and pool.resident["globex"] == 5
+    pool.allocate(1, "globex")  # globex holds 5/3 per share, acme 3/1: acme's oldest block goes
+    assert pool.lookup(bytes([65, 0]) * 8) is None
+    assert (pool.resident["globex"], pool.resident["acme"]) == (6, 2)  # the new block counts for globex
     even = BlockPool(8)
-    g = even.allocate(5)
+    g = even.allocate(5, "globex")
     even.cache(g, [bytes([66, i]) * 8 for i in range(5)], ROOT, "globex")
-    a = even.allocate(3)
+    a = even.allocate(3, "acme")
     even.cache(a, [bytes([65, i]) * 8 for i in range(3)], ROOT, "acme")
     even.free(g + a)
-    even.allocate(1)  # equal shares: globex holds more, so its oldest block goes
-    assert even.lookup(bytes([66, 0]) * 8) is None and even.resident["acme"] == 3
+    even.allocate(1, "acme")  # equal shares: globex holds more, so its oldest block goes
+    assert even.lookup(bytes([66, 0]) * 8) is None
+    assert (even.resident["globex"], even.resident["acme"]) == (4, 4)
 
 
 def test_when_the_flooder_s_blocks_are_all_in_use_other_tenants_yield():
     pool = BlockPool(6)
-    g = pool.allocate(2)
+    g = pool.allocate(2, "globex")
     pool.cache(g, [bytes([66, i]) * 8 for i in range(2)], ROOT, "globex")
     pool.free(g)
-    held = pool.allocate(4)  # acme: running, every block referenced
+    held = pool.allocate(4, "acme")  # acme: running, every block referenced
     pool.cache(held, [bytes([65, i]) * 8 for i in range(4)], ROOT, "acme")
-    assert len(pool.allocate(1)) == 1 and pool.resident["globex"] == 1  # the only free block was globex's
+    assert len(pool.allocate(1, "acme")) == 1 and pool.resident["globex"] == 1  # the only free block was globex's
 
 
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
@@ -240,8 +242,9 @@ class PoolMachine(RuleBasedStateMachine):
         for key, b in pool.key_to_block.items():
             assert b.key == key
         assert len(queued) == pool.num_free
-        for tenant in ROOTS:  # per-tenant residency, which eviction uses, matches the blocks' keys
-            assert pool.resident[tenant] == sum(1 for b in pool.blocks if b.key is not None and b.tenant == tenant)
+        for tenant in ROOTS:  # per-tenant residency, which eviction uses: blocks in use by it or caching its keys
+            assert pool.resident[tenant] == sum(1 for b in pool.blocks
+                                                if (b.key is not None or b.ref_cnt) and b.tenant == tenant)
         for tenant, q in pool.cached_queues.items():
             assert all(b.key is not None and b.tenant == tenant and b.ref_cnt == 0 for b in q)
 

@@ -362,9 +362,10 @@ def _all_requests(server: Server, tenant: str, key_headers: dict[str, str]) -> l
         ("GET", "/metrics", None),
     ]
     out = []
-    for method, path, body in calls:
-        r = httpx.request(method, base + path, headers=key_headers, json=body, timeout=120)
-        out.append((f"{method} {path}" + (" (stream)" if body and body.get("stream") else ""), r))
+    with httpx.Client(timeout=120) as client:
+        for method, path, body in calls:
+            r = client.request(method, base + path, headers=key_headers, json=body)
+            out.append((f"{method} {path}" + (" (stream)" if body and body.get("stream") else ""), r))
     return out
 
 

@@ -28,7 +28,7 @@ class Block:
         self.block_id = block_id
         self.ref_cnt = 0
         self.key: bytes | None = None
-        self.tenant = ""  # owner of ``key``
+        self.tenant = ""  # the tenant holding it (in use by its request, or caching its key)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -97,7 +97,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)  # free blocks without a key
         self.cached_queues: dict[str, FreeBlockQueue] = {}  # per tenant: free blocks that still hold a key
         self._num_cached_free = 0
-        self.resident: dict[str, int] = defaultdict(int)  # per tenant: blocks holding its keys (used or free)
+        self.resident: dict[str, int] = defaultdict(int)  # per tenant: blocks it holds (in use, or cached)
         self.shares = dict(shares or {})
         self.key_to_block: dict[bytes, Block] = {}
         self.sink = sink
@@ -164,7 +164,7 @@ class BlockPool:
                 self._dequeue(b)
             b.ref_cnt += 1
 
-    def allocate(self, n: int) -> list[Block]:
+    def allocate(self, n: int, tenant: str = "") -> list[Block]:
         """Hand out ``n`` blocks with one reference each: keyless blocks first, then cached ones evicted by tenant
         share and LRU order."""
         if n > self.num_free:
@@ -180,6 +180,8 @@ class BlockPool:
                 b.key = None
                 self.resident[b.tenant] -= 1
             b.ref_cnt = 1
+            b.tenant = tenant
+            self.resident[tenant] += 1
             out.append(b)
         if evicted and self.sink is not None:
             self.sink.publish(BlockRemoved(evicted))
@@ -199,9 +201,11 @@ class BlockPool:
         for b, key in zip(blocks, keys):
             assert b.ref_cnt > 0, f"caching unreferenced {b}"
             if b.key is None and key not in self.key_to_block:
+                if b.tenant != tenant:  # allocated without an owner
+                    self.resident[b.tenant] -= 1
+                    self.resident[tenant] += 1
                 b.key, b.tenant = key, tenant
                 self.key_to_block[key] = b
-                self.resident[tenant] += 1
                 run.append(key)
                 stored += 1
             else:
@@ -222,6 +226,9 @@ class BlockPool:
             assert b.ref_cnt > 0, f"double free of {b}"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
+                if b.key is None:  # nothing cached: the tenant lets go of it
+                    self.resident[b.tenant] -= 1
+                    b.tenant = ""
                 self._enqueue(b)
 
     def pin(

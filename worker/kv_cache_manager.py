@@ -82,7 +82,7 @@ class KVCacheManager:
         n = self.blocks_needed(seq, num_new_tokens)
         if n > self.pool.num_free:
             return False
-        seq.block_table.extend(self.pool.allocate(n))
+        seq.block_table.extend(self.pool.allocate(n, seq.tenant))
         return True
 
     def register(self, seq: Sequence) -> list[bytes]:
