@@ -111,6 +111,7 @@ class ServeConfig(_Strict):
     kv_cache_bytes: int = Field(512 * 2**20, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     max_queued_prefill_tokens: int = Field(1_000_000, ge=1)  # per group; beyond it requests get 429
+    router_replicas: int = Field(1, ge=1)  # RouterService actors, each with its own index copy (from Redis)
     max_groups: int | None = Field(None, ge=1)  # the most groups `kvgrid scale` may ask for (default 2 x groups)
     http: HttpConfig = HttpConfig()
     admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API

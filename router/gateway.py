@@ -106,23 +106,19 @@ class _Metrics:
                                  registry=r)
         self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl,
                               registry=r)
-        g = ["group"]
-        self.group_running = Gauge("kvgrid_group_running", "Requests running on the group", g, registry=r)
-        self.group_waiting = Gauge("kvgrid_group_waiting", "Requests waiting on the group", g, registry=r)
-        self.group_queued = Gauge("kvgrid_group_queued_prefill_tokens", "Queued prefill tokens", g, registry=r)
-        self.group_free = Gauge("kvgrid_group_free_blocks", "Free KV blocks", g, registry=r)
-        self.group_cached = Gauge("kvgrid_group_cached_blocks", "Cached (evictable) KV blocks", g, registry=r)
         self.tenant = tenant
         self._prompt_total = self._cached_total = 0
 
-    def record(self, prompt: int, cached: int, output: int, predicted: int) -> None:
+    def record(self, prompt: int, cached: int, output: int, predicted: int, actual: int) -> None:
+        """``cached``: the reuse reported to the client (the tenant's policy); ``actual``: what the group reused,
+        against which the router's ``predicted`` is judged."""
         t = self.tenant
         self.requests.labels(t).inc()
         self.prompt.labels(t).inc(prompt)
         self.cached.labels(t).inc(cached)
         self.output.labels(t).inc(output)
         self.predicted.labels(t).inc(predicted)
-        self.actual.labels(t).inc(cached)
+        self.actual.labels(t).inc(actual)
         self._prompt_total += prompt
         self._cached_total += cached
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
@@ -173,14 +169,15 @@ def _stop_reason(out: RequestOutput) -> str:
 @serve.ingress(app)
 class Gateway:
     def __init__(
-        self, tenant: TenantConfig, config: ServeConfig, model_path: str, router, redis_url: str
+        self, tenant: TenantConfig, config: ServeConfig, model_path: str, routers: list, redis_url: str
     ) -> None:
         self.tenant, self.config = tenant, config
         self.model_id = config.model_id
         self.tokenizer = load_tokenizer(model_path)
         mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.router = router  # the RouterService actor
+        self.routers = list(routers)  # the RouterService replicas; each request stays with the one that routed it
+        self._next_router = secrets.randbelow(len(self.routers))
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = TenantStore(self.redis)
         self.ledger = UsageLedger(self.redis)
@@ -280,9 +277,12 @@ class Gateway:
         retried on another group, as long as nothing has been yielded yet, or at any point when
         ``restartable`` (the caller keeps only the last output)."""
         failed: list[str] = []
+        self._next_router = (self._next_router + 1) % len(self.routers)
+        router = self.routers[self._next_router]
+        rid = f"{self.tenant.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         while True:
             try:
-                decision = await self.router.route.remote(self.tenant.name, prompt, None, failed)
+                decision = await router.route.remote(self.tenant.name, prompt, f"{rid}-{len(failed)}", failed)
             except RayError as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, Overloaded):
@@ -301,22 +301,25 @@ class Gateway:
                         cause = getattr(exc, "cause", None)
                         if isinstance(cause, ValueError):
                             raise _err(400, str(cause), api) from None
+                        if type(cause).__name__ == "RequestAborted":
+                            raise _err(503, "the request was aborted on its worker group; retry it", api) from None
                         raise _GroupFailed(f"{type(exc).__name__}: {cause or exc}") from None
                     if not finished and len(out.token_ids) == len(out.new_token_ids):
-                        self.router.on_prefill_done.remote(decision.request_id)
+                        router.on_prefill_done.remote(decision.request_id)
                     finished = out.finished
                     yielded = True
                     yield out, decision.cached_tokens
                 return
             except _GroupFailed as exc:
-                self.router.report_failure.remote(decision.group, str(exc))
+                for r in self.routers:  # no replica should send more requests there
+                    r.report_failure.remote(decision.group, str(exc))
                 failed.append(decision.group)
                 if (yielded and not restartable) or len(failed) > MAX_GROUP_RETRIES:
                     raise _err(503, f"worker group {decision.group} failed during the request; retry it",
                                api) from None
                 out = None  # nothing of the failed attempt is billed: the retry starts over
             finally:
-                self.router.on_finish.remote(decision.request_id)
+                router.on_finish.remote(decision.request_id)
                 if not finished:
                     decision.leader.abort.remote(decision.request_id)
                 if out is not None:
@@ -328,7 +331,7 @@ class Gateway:
             self.tenant.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
             output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
         )
-        self.metrics.record(n_prompt, out.num_cached_tokens, len(out.token_ids), predicted)
+        self.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
 
     def _account_openai(self, out: RequestOutput, predicted: int) -> None:
         self._account(out, predicted, self._reported_cached(out.num_cached_tokens))
@@ -649,16 +652,7 @@ class Gateway:
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
-        self._auth(request, "openai")  # usage and load are the tenant's business only
-        m = self.metrics
-        for group, leader in (await self.router.leaders_now.remote()).items():
-            try:
-                s = await leader.stats.remote()
-            except RayError:
-                continue
-            m.group_running.labels(group).set(s.running)
-            m.group_waiting.labels(group).set(s.waiting)
-            m.group_queued.labels(group).set(s.queued_prefill_tokens)
-            m.group_free.labels(group).set(s.blocks_free)
-            m.group_cached.labels(group).set(s.blocks_cached)
-        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+        """This tenant's own counters only: worker-group load moves with every tenant's traffic, so it is on the
+        admin API (``/admin/v1/metrics``), never here."""
+        self._auth(request, "openai")
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,6 +4,7 @@ one with the policy, and keep per-group load. Exact, because the workers publish
 from __future__ import annotations
 
 import itertools
+import secrets
 import math
 import time
 from collections import deque
@@ -82,6 +83,7 @@ class Router:
         self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
         self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)  # ids stay unique across router replicas
         self.paused: set[str] = set()  # known groups that get no new requests (draining, or suspected dead)
         for g in groups:
             self.add_group(g)
@@ -193,7 +195,7 @@ class Router:
                                      f"tenant has its share ({share}) of them")
         group = self.policy.choose(req, open_groups)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
-        rid = request_id if request_id is not None else f"route-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
         self._start(rid, group, num_tokens - hit, tenant)
         self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit)

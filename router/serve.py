@@ -79,21 +79,24 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         )
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
-        router = ray.remote(RouterService).options(name="kvgrid-router", **front).remote(
-            {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
-            tenant_shares={t.name: t.cache.share for t in cfg.tenants})
+        routers = [
+            ray.remote(RouterService).options(name=f"kvgrid-router-{i}", scheduling_strategy="SPREAD", **front).remote(
+                {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
+                tenant_shares={t.name: t.cache.share for t in cfg.tenants})
+            for i in range(cfg.router_replicas)
+        ]
         template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
         supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", max_concurrency=16, **front).remote(
-            template, router, url, max_groups=cfg.group_limit)
+            template, routers, url, max_groups=cfg.group_limit)
         ray.get(supervisor.scale.remote(cfg.groups))
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         for t in cfg.tenants:
             app = Gateway.options(name=f"gateway-{t.name}", num_replicas=cfg.http.replicas,
-                                  ray_actor_options=front).bind(t, cfg, model_path, router, url)
+                                  ray_actor_options=front).bind(t, cfg, model_path, routers, url)
             serve.run(app, name=f"tenant-{t.name}", route_prefix=f"/{t.name}", blocking=False)
         if cfg.admin_keys:
             admin = Admin.options(name="admin", ray_actor_options=front).bind(
-                [hash_api_key(k) for k in cfg.admin_keys], [t.name for t in cfg.tenants], supervisor, router)
+                [hash_api_key(k) for k in cfg.admin_keys], [t.name for t in cfg.tenants], supervisor, routers)
             serve.run(admin, name="kvgrid-admin", route_prefix="/admin", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
@@ -113,7 +116,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
-        ray.get(router.poll.remote())  # the router follows the groups' events from now on
+        ray.get([r.poll.remote() for r in routers])  # the routers follow the groups' events from now on
         stop.wait()
         print("shutting down", flush=True)
         return 0

@@ -27,14 +27,15 @@ class Supervisor:
     def __init__(
         self,
         template: GroupConfig,
-        router,
+        routers: list,
         redis_url: str | None = None,
         health_interval_s: float = 1.0,
         drain_timeout_s: float = 120.0,
         max_groups: int | None = None,
     ) -> None:
         self.template = template
-        self.router = router  # the RouterService actor
+        self.routers = list(routers)  # the RouterService replicas: each learns of every group change
+        self.router = self.routers[0]  # the one that places moved pins
         self.redis_url = redis_url
         self.health_interval_s = health_interval_s
         self.drain_timeout_s = drain_timeout_s
@@ -92,7 +93,7 @@ class Supervisor:
             raise
         with self._mu:
             self.groups[name] = group
-        ray.get(self.router.add_group.remote(name, group.leader))  # from now on it receives requests
+        self._tell_routers("add_group", name, group.leader)  # from now on it receives requests
         with self._mu:
             self.state[name] = SERVING
         _log(f"group {name} is serving")
@@ -102,7 +103,7 @@ class Supervisor:
         with self._mu:
             group = self.groups[name]
             self.state[name] = DRAINING
-        ray.get(self.router.pause_group.remote(name))
+        self._tell_routers("pause_group", name)
         _log(f"draining group {name}")
         moved = self._move_pins(name, group)
         deadline = time.monotonic() + timeout_s
@@ -116,7 +117,7 @@ class Supervisor:
             time.sleep(0.05)
         else:
             _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now")
-        ray.get(self.router.remove_group.remote(name))  # its index entries go with it
+        self._tell_routers("remove_group", name)  # its index entries go with it
         group.shutdown()
         self._drop_stream(name)
         with self._mu:
@@ -158,6 +159,9 @@ class Supervisor:
         except redis.RedisError:
             pass
 
+    def _tell_routers(self, method: str, *args) -> None:
+        ray.get([getattr(r, method).remote(*args) for r in self.routers])
+
     # -- failures ---------------------------------------------------------------------------------------------
 
     def _watch(self) -> None:
@@ -173,12 +177,13 @@ class Supervisor:
             serving = [(g, self.groups[g]) for g, s in self.state.items() if s in (SERVING, FAILED)]
         if not serving:
             return
-        paused = {g for g, info in ray.get(self.router.groups.remote()).items() if info["paused"]}
+        paused = {g for r in ray.get([r.groups.remote() for r in self.routers]) for g, info in r.items()
+                  if info["paused"]}
         for name, group in serving:
             reason = group.health()
             if reason is None:
                 if name in paused:
-                    ray.get(self.router.pause_group.remote(name, False))
+                    self._tell_routers("pause_group", name, False)
                 continue
             with self._mu:
                 if self.state.get(name) not in (SERVING, FAILED):
@@ -186,7 +191,7 @@ class Supervisor:
                 self.state[name] = RESTARTING
             _log(f"group {name} failed ({reason}); restarting it")
             # Its cache is gone: drop the group and its index entries now, re-add it once it serves again.
-            ray.get(self.router.remove_group.remote(name))
+            self._tell_routers("remove_group", name)
             try:
                 group.restart()
             except Exception as exc:
@@ -194,7 +199,7 @@ class Supervisor:
                     self.state[name] = FAILED
                 _log(f"group {name} could not restart: {type(exc).__name__}: {exc}")
                 continue
-            ray.get(self.router.add_group.remote(name, group.leader))
+            self._tell_routers("add_group", name, group.leader)
             with self._mu:
                 self.state[name] = SERVING
                 self.restarts[name] = self.restarts.get(name, 0) + 1

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anthropic
@@ -59,10 +61,23 @@ class RedisServer:
         self.proc.wait(10)
 
 
+# The two tenants most tests use: acme caches implicitly, globex explicitly.
+TWO_TENANTS = f"""tenants:
+  - name: acme
+    api_keys: [{ACME_KEY}]
+    cache: {{mode: implicit, min_prefix_tokens: 32}}
+  - name: globex
+    api_keys: [{GLOBEX_KEY}]
+    cache: {{mode: explicit, default_ttl: 5m}}
+"""
+TEST_DEFAULTS = "model: demo\nblock_size: 16\ngroups: 2\ndevice: cpu\nmax_model_len: 1024\n"
+
+
 def write_config(folder: Path, port: int, body: str) -> Path:
-    """A serve config on 127.0.0.1:``port``; ``body`` holds the rest (groups, tenants, ...)."""
+    """A serve config on 127.0.0.1:``port``: the demo model on 2 CPU groups (``TEST_DEFAULTS``), then ``body``
+    (tenants, cache size, ...)."""
     path = folder / "kvgrid.yaml"
-    path.write_text(f"http: {{host: 127.0.0.1, port: {port}}}\n" + body)
+    path.write_text(f"http: {{host: 127.0.0.1, port: {port}}}\n" + TEST_DEFAULTS + body)
     return path
 
 
@@ -112,6 +127,21 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextmanager
+def serving(tmp_path_factory, body: str, ready: list[tuple[str, str]],
+            env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A started server with the config ``body`` (everything but ``http``) and its own Redis; both stop after."""
+    redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
+    port = free_port()
+    srv = Server(write_config(tmp_path_factory.mktemp("serve"), port, body), redis_server.url, port, ready, env)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+        redis_server.stop()
 
 
 def oa(server: Server, tenant: str = "acme", key: str = ACME_KEY) -> openai.OpenAI:

@@ -107,7 +107,7 @@ def test_stored_events_carry_the_chained_keys_the_router_computes():
     kv = KVCacheManager(16, BS, "xxh3_128", sink)
     tokens = list(range(100, 113))
     compute_all(kv, make_seq("a", tokens))
-    assert sink.events == [BlockStored(block_keys(tokens, BS, ROOT), ROOT)]
+    assert sink.events == [BlockStored(block_keys(tokens, BS, ROOT), None)]  # the root key is never published
 
 
 def test_reset_clears_only_when_idle():

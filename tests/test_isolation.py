@@ -13,9 +13,9 @@ the same check *would* see a hit where one is legitimate (so a test cannot pass 
   Kolmogorov-Smirnov test on client-side time to first token), while the same measurement clearly sees acme's
   own hits.
 
-Two tests are strict xfails that document leaks this suite found (see their reasons): tenant root keys in the
-Redis KV-event stream, and group-level gauges in every tenant's /metrics. Each turns into a failure (XPASS) once
-the product is fixed, so its marker gets removed then.
+Two leaks this suite found are fixed and stay tested: tenant root keys in the Redis KV-event stream (a prompt's
+first block is now published without a parent key), and group-level gauges in every tenant's /metrics (they
+moved to the admin API).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, RedisServer, Server, an, chat, free_port, oa, write_config
+from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, TWO_TENANTS, Server, an, chat, oa, serving
 
 from common.hashing import tenant_root_key
 
@@ -101,41 +101,20 @@ def test_ks_2samp_matches_known_values():
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield srv.url
-    srv.stop()
+def server(tmp_path_factory):
+    # 1 GiB per group: a demo-model block (4 layers x K,V x 2 KV heads x 64 x 16 tokens, fp32) is 64 KiB, so each
+    # group holds 16384 blocks: the timing test's ~13k blocks never evict acme's probes.
+    body = "kv_cache_bytes: 1073741824\n" + TWO_TENANTS + """  - name: initech
+    api_keys: [%s]
+    cache: {mode: explicit, default_ttl: 5m}
+""" % INITECH_KEY
+    with serving(tmp_path_factory, body, list(KEYS.items())) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, redis_url):
-    port = free_port()
-    # 1 GiB per group: a demo-model block (4 layers x K,V x 2 KV heads x 64 x 16 tokens, fp32) is 64 KiB, so each
-    # group holds 16384 blocks: the timing test's ~13k blocks never evict acme's probes.
-    config = write_config(tmp_path_factory.mktemp("serve"), port, """
-model: demo
-block_size: 16
-groups: 2
-tensor_parallel: 1
-device: cpu
-kv_cache_bytes: 1073741824
-max_model_len: 1024
-tenants:
-  - name: acme
-    api_keys: [%s]
-    cache: {mode: implicit, min_prefix_tokens: 32}
-  - name: globex
-    api_keys: [%s]
-    cache: {mode: explicit, default_ttl: 5m}
-  - name: initech
-    api_keys: [%s]
-    cache: {mode: explicit, default_ttl: 5m}
-""" % (ACME_KEY, GLOBEX_KEY, INITECH_KEY))
-    # RAY_ADDRESS=local: always a private Ray, never a `ray start` cluster another test left on this machine.
-    srv = Server(config, redis_url, port, list(KEYS.items()), env={"RAY_ADDRESS": "local"})
-    srv.start()
-    yield srv
-    srv.stop()
+def redis_url(server):
+    return server.redis_url
 
 
 @pytest.fixture(scope="module")
@@ -212,27 +191,21 @@ def test_implicit_cache_is_not_shared_between_tenants(server):
         assert f'tenant="{me}"' in text and f'tenant="{other}"' not in text and other not in text
 
 
-def _group_gauges(server: Server, tenant: str) -> dict[str, str]:
-    text = httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant), timeout=30).text
-    return dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvgrid_group_"))
+def _metrics(server: Server, tenant: str) -> str:
+    r = httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant), timeout=30)
+    assert r.status_code == 200
+    return r.text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CROSS-TENANT INFORMATION LEAK (by design, README 'GET /{tenant}/metrics'): every tenant's /metrics carries "
-    "the worker groups' free / cached blocks, running, waiting and queued prefill tokens, which move with other "
-    "tenants' traffic, so globex watches acme's activity (volume, timing, prompt sizes). It does not reveal "
-    "which prompts acme has cached. Remove this marker if group gauges leave the tenant endpoint (e.g. to an "
-    "admin-only one)."))
 def test_metrics_do_not_reveal_other_tenants_activity(server, vocab):
     rng = random.Random(3)
-    before = _group_gauges(server, "globex")
-    assert before, "no group gauges at all"
+    before = _metrics(server, "globex")
+    assert "kvgrid_requests_total" in before and "kvgrid_group_" not in before  # group load is admin-only
     for _ in range(3):
         oa(server).completions.create(model="demo", prompt=[rng.randrange(5, vocab) for _ in range(200)],
                                       max_tokens=1)
-    after = _group_gauges(server, "globex")
-    changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
-    assert changed == {}, f"globex's metrics moved with acme's traffic: {changed}"
+    assert _metrics(server, "globex") == before  # nothing in globex's metrics moves with acme's traffic
+    assert _metrics(server, "acme") != before
 
 
 # -- 2. explicit cache_control pins -------------------------------------------------------------------------------
@@ -460,12 +433,6 @@ def test_redis_holds_no_plaintext_key_or_secret(server, redis_url):
     assert _find_in_redis(redis_url, _secrets()) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PRODUCT BUG (found by this suite): workers publish BlockStored(keys, parent_key) to the Redis stream "
-    "kvgrid:events:{group}, and for a prompt's first blocks parent_key is the tenant root key "
-    "(worker/kv_cache_manager.py -> BlockPool.cache -> common/event_stream.encode field 'p'). Anybody who can "
-    "read Redis gets every tenant's root key and can confirm guessed prompts against the event stream. The "
-    "router never reads parent_key. Remove this marker once the events stop carrying root keys."))
 def test_redis_holds_no_tenant_root_key(server, redis_url):
     for t in KEYS:  # every tenant stores some first blocks
         chat(oa(server, t, KEYS[t]), "Root key check.", _unique("root key") + SYSTEM)

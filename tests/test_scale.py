@@ -13,32 +13,22 @@ import time
 import httpx
 import openai
 import pytest
-from harness import ACME_KEY, ADMIN_KEY, SYSTEM, RedisServer, Server, chat, free_port, oa, write_config
+from harness import ACME_KEY, ADMIN_KEY, SYSTEM, chat, oa, serving
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    port = free_port()
-    config = write_config(tmp_path_factory.mktemp("serve"), port, f"""
-model: demo
-block_size: 16
-groups: 2
+    with serving(tmp_path_factory, f"""
 max_groups: 3
-device: cpu
+router_replicas: 2
 kv_cache_bytes: 33554432
-max_model_len: 1024
 admin_keys: [{ADMIN_KEY}]
 tenants:
   - name: acme
     api_keys: [{ACME_KEY}]
     cache: {{mode: implicit, min_prefix_tokens: 32}}
-""")
-    srv = Server(config, redis.url, port, [("acme", ACME_KEY)])
-    srv.start()
-    yield srv
-    srv.stop()
-    redis.stop()
+""", [("acme", ACME_KEY)]) as srv:
+        yield srv
 
 
 def admin(server, method: str, path: str, **kw) -> httpx.Response:
@@ -46,7 +36,8 @@ def admin(server, method: str, path: str, **kw) -> httpx.Response:
                          timeout=300, **kw)
 
 
-def groups(server) -> tuple[dict[str, dict], dict[str, int]]:
+def groups(server) -> tuple[dict[str, dict], list[dict[str, int]]]:
+    """The groups by name, and the index keys per group of each router replica."""
     body = admin(server, "GET", "/groups").json()
     return {g["name"]: g for g in body["groups"]}, body["index_keys"]
 
@@ -71,12 +62,15 @@ class Load:
         rng = random.Random(i)
         while not self.stop.is_set():
             stream = rng.random() < 0.3
+            # Half the requests share the system prompt, half are cold (a system prompt of their own).
+            system = SYSTEM if rng.random() < 0.5 else f"Session {rng.randrange(10**9)}. " + SYSTEM[::-1]
+            question = f"Question {rng.randrange(10**6)} from client {i}?"
             try:
                 if stream:
-                    chunks = list(chat(self.client, f"Question {rng.randrange(10**6)} from client {i}?", stream=True))
+                    chunks = list(chat(self.client, question, system, stream=True))
                     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
                 else:
-                    r = chat(self.client, f"Question {rng.randrange(10**6)} from client {i}?", max_tokens=6)
+                    r = chat(self.client, question, system, max_tokens=6)
                     assert r.choices[0].finish_reason in ("length", "stop")
                 self.ok.append(time.monotonic())
             except openai.APIStatusError as exc:
@@ -136,13 +130,16 @@ def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
         assert len(holders) == 1
         holder = holders[0]
         pinned = before[holder]["stats"]["blocks_pinned"]
-        wait_for(lambda: groups(server)[1].get(holder, 0) > 0, 30, "the holder's events to reach the router")
+        wait_for(lambda: all(ix.get(holder, 0) > 0 for ix in groups(server)[1]), 30,
+                 "the holder's events to reach both router replicas")
 
         down = kvgrid(server, "scale", "--groups", "2", "--remove", holder)
         assert down.returncode == 0, down.stderr
         after, index = groups(server)
         assert sorted(after) == sorted(g for g in before if g != holder)
-        assert holder not in index and "?" not in index  # no key of the drained group is left in the index
+        assert len(index) == 2
+        for ix in index:  # no key of the drained group is left in either replica's index
+            assert holder not in ix and "?" not in ix
         assert sum(info["stats"]["blocks_pinned"] for info in after.values()) >= pinned  # the pins moved
         t = time.monotonic()
         wait_for(lambda: load.completed_since(t) >= 3, 120, "requests to complete after the drain")
@@ -158,6 +155,8 @@ def test_scale_refuses_bad_requests_and_bad_keys(server):
     assert admin(server, "POST", "/scale", json={"groups": 9}).status_code == 400  # over max_groups
     assert admin(server, "POST", "/scale", json={"groups": 2, "remove": ["nope"]}).status_code == 400
     assert admin(server, "POST", "/scale", json={"groups": 0}).status_code == 400
+    metrics = admin(server, "GET", "/metrics").text
+    assert 'kvgrid_group_free_blocks{group="g0"}' in metrics and "kvgrid_group_pinned_blocks" in metrics
     bad = kvgrid(server, "scale", "--groups", "2", "--admin-key", "not-the-admin-key-at-all")
     assert bad.returncode == 2 and "401" in bad.stderr
     listed = kvgrid(server, "groups")
@@ -178,7 +177,6 @@ def test_a_killed_group_is_avoided_and_restarted_while_the_cluster_keeps_serving
         wait_for(lambda: load.completed_since(t) >= 3, 120, "requests to complete after the restart")
     load.assert_nothing_lost()
     assert load.completed_since(killed_at) >= 3
-    after, index = groups(server)
+    after, _ = groups(server)
     assert after[victim]["ranks"][0]["pid"] != pid and all(g["state"] == "serving" for g in after.values())
     assert chat(oa(server), "Are you back?").choices[0].finish_reason in ("length", "stop")
-    assert SYSTEM  # the load used the shared system prompt

@@ -9,41 +9,21 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, RedisServer, Server, an, chat, free_port, oa, write_config
+from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, TWO_TENANTS, an, chat, oa, serving
 
 from router.store import UsageLedger
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server.url
-    server.stop()
+def server(tmp_path_factory):
+    body = "kv_cache_bytes: 33554432\n" + TWO_TENANTS
+    with serving(tmp_path_factory, body, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, redis_url):
-    port = free_port()
-    config = write_config(tmp_path_factory.mktemp("serve"), port, """
-model: demo
-block_size: 16
-groups: 2
-tensor_parallel: 1
-device: cpu
-kv_cache_bytes: 33554432
-max_model_len: 1024
-tenants:
-  - name: acme
-    api_keys: [%s]
-    cache: {mode: implicit, min_prefix_tokens: 32}
-  - name: globex
-    api_keys: [%s]
-    cache: {mode: explicit, default_ttl: 5m}
-""" % (ACME_KEY, GLOBEX_KEY))
-    srv = Server(config, redis_url, port, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)])
-    srv.start()
-    yield srv
-    srv.stop()
+def redis_url(server):
+    return server.redis_url
 
 
 def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
@@ -58,7 +38,8 @@ def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == second.usage.completion_tokens
     assert httpx.get(f"{server.base}/acme/metrics").status_code == 401
     metrics = httpx.get(f"{server.base}/acme/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}).text
-    assert 'kvgrid_requests_total{tenant="acme"}' in metrics and "kvgrid_group_free_blocks" in metrics
+    assert 'kvgrid_requests_total{tenant="acme"}' in metrics
+    assert "kvgrid_group_" not in metrics and "globex" not in metrics  # only the tenant's own counters
 
 
 def test_anthropic_cache_control_writes_then_reads_then_writes_after_the_ttl(server):

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, RedisServer, Server, an, free_port, oa, write_config
+from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, an, oa, serving
 
 INITECH_KEY = "sk-initech-test-1"
 TENANTS = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", INITECH_KEY)]
@@ -18,16 +18,9 @@ TENANTS = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", INITECH_KEY)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    port = free_port()
     # 4 MiB of KV per group = 64 blocks of 16 tokens: a few long prompts cycle the whole cache.
-    config = write_config(tmp_path_factory.mktemp("serve"), port, f"""
-model: demo
-block_size: 16
-groups: 2
-device: cpu
+    with serving(tmp_path_factory, f"""
 kv_cache_bytes: 4194304
-max_model_len: 1024
 admin_keys: [{ADMIN_KEY}]
 tenants:
   - name: acme
@@ -40,12 +33,8 @@ tenants:
   - name: initech
     api_keys: [{INITECH_KEY}]
     limits: {{tokens_per_min: 1000}}
-""")
-    srv = Server(config, redis.url, port, TENANTS)
-    srv.start()
-    yield srv
-    srv.stop()
-    redis.stop()
+""", TENANTS) as srv:
+        yield srv
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -27,6 +27,10 @@ from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
 
 
+class RequestAborted(RuntimeError):
+    """The request was aborted on the group (by another caller) before it finished."""
+
+
 class GroupUnhealthyError(RuntimeError):
     """The group lost a rank (or its leader failed); its requests fail and it must be restarted."""
 
@@ -155,8 +159,13 @@ class RankActor:
             queue.put_nowait(GroupUnhealthyError(self.error))
 
     async def abort(self, request_id: str) -> bool:
+        """Stop a request; a caller still waiting on its outputs gets ``RequestAborted`` instead of waiting forever."""
         assert self.engine is not None
-        return await self._locked(self.engine.abort, request_id)
+        done = await self._locked(self.engine.abort, request_id)
+        queue = self._queues.get(request_id)
+        if done and queue is not None:
+            queue.put_nowait(RequestAborted(f"request {request_id} was aborted"))
+        return done
 
     async def stats(self) -> EngineStats:
         assert self.engine is not None

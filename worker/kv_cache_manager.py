@@ -92,7 +92,8 @@ class KVCacheManager:
         if num_full <= start:
             return []
         keys = self.keys_of(seq, num_full)[start:]
-        parent = seq.block_keys[start - 1] if start else seq.root_key
+        # A prompt's first block has the tenant's root key as its parent: that key never leaves the engine.
+        parent = seq.block_keys[start - 1] if start else None
         self.pool.cache(seq.block_table[start:num_full], keys, parent, seq.tenant)
         seq.num_registered_blocks = num_full
         return keys
