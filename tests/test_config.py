@@ -44,11 +44,24 @@ def test_the_documented_example_loads(tmp_path):
         (("sk-globex-1", "sk-acme-1"), "an API key may belong to one tenant only"),
         (("port: 8000", "port: 99999"), "http.port"),
         (("tensor_parallel: 1", "tensor_parallel: 1\ncolour: blue"), "colour"),
+        (("name: globex", "name: admin"), "the tenant name 'admin' is reserved"),
+        (("groups: 2", "groups: 2\nadmin_keys: [short]"), "admin_keys"),
+        (("groups: 2", "groups: 2\nmax_groups: 1"), "max_groups must be >= groups"),
+        (("default_ttl: 5m", "default_ttl: 5m, share: 0"), "tenants.1.cache.share"),
+        (("cache: {mode: explicit, default_ttl: 5m}", "limits: {requests_per_s: 0}"), "tenants.1.limits.requests_per_s"),
+        (("cache: {mode: explicit, default_ttl: 5m}", "limits: {burst: 3}"), "tenants.1.limits.burst"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path, change, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(write(tmp_path, GOOD.replace(*change)))
+
+
+def test_an_admin_key_cannot_be_a_tenant_key(tmp_path):
+    text = GOOD.replace("api_keys: [sk-acme-1]", "api_keys: [sk-acme-1-long-enough]").replace(
+        "groups: 2", "groups: 2\nadmin_keys: [sk-acme-1-long-enough]")
+    with pytest.raises(ConfigError, match="admin key cannot also be a tenant's API key"):
+        load_config(write(tmp_path, text))
 
 
 def test_unreadable_or_non_mapping_config(tmp_path):
