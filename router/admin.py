@@ -128,6 +128,8 @@ class Admin:
     @admin_app.get("/v1/metrics")
     async def metrics(self, request: Request):
         self._auth(request)
+        for gauge, _ in self.gauges:  # drained groups disappear
+            gauge.clear()
         for group, leader in (await self.routers[0].leaders_now.remote()).items():
             try:
                 stats = await leader.stats.remote()

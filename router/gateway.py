@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 
 from common.config import ServeConfig, TenantConfig, parse_duration
 from common.hashing import token_bytes
@@ -122,6 +122,20 @@ class _Metrics:
         self._prompt_total += prompt
         self._cached_total += cached
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
+
+
+def _failure(exc: RayError, group: str, api: str) -> Exception:
+    """What a failed output of a group means: a bad request (400), an abort (503), the group itself failing (a
+    retry elsewhere), or an error of this one request (500; the group keeps serving everyone else)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ValueError):
+        return _err(400, str(cause), api)
+    name = type(cause).__name__
+    if name == "RequestAborted":
+        return _err(503, "the request was aborted on its worker group; retry it", api)
+    if isinstance(exc, RayActorError) or name == "GroupUnhealthyError":
+        return _GroupFailed(f"{type(exc).__name__}: {cause or exc}")
+    return ApiError(500, f"internal error in worker group {group} ({name or type(exc).__name__})", "api_error", api)
 
 
 def _no_account(out: RequestOutput, predicted: int) -> None:
@@ -281,31 +295,27 @@ class Gateway:
         router = self.routers[self._next_router]
         rid = f"{self.tenant.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         while True:
-            try:
-                decision = await router.route.remote(self.tenant.name, prompt, f"{rid}-{len(failed)}", failed)
-            except RayError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, Overloaded):
-                    raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
-                detail = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
-                raise _err(503, f"no worker group available ({detail}); retry shortly", api) from None
-            out: RequestOutput | None = None
+            attempt = f"{rid}-{len(failed)}"
+            decision = out = None
             yielded = finished = False
             try:
+                try:
+                    decision = await router.route.remote(self.tenant.name, prompt, attempt, failed)
+                except RayError as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, Overloaded):
+                        raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
+                    detail = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+                    raise _err(503, f"no worker group available ({detail}); retry shortly", api) from None
                 gen = decision.leader.generate.remote(
-                    prompt, params, self.tenant.name, decision.request_id, pin_tokens, pin_ttl_s)
+                    prompt, params, self.tenant.name, attempt, pin_tokens, pin_ttl_s)
                 async for ref in gen:
                     try:
                         out = await ref
                     except RayError as exc:
-                        cause = getattr(exc, "cause", None)
-                        if isinstance(cause, ValueError):
-                            raise _err(400, str(cause), api) from None
-                        if type(cause).__name__ == "RequestAborted":
-                            raise _err(503, "the request was aborted on its worker group; retry it", api) from None
-                        raise _GroupFailed(f"{type(exc).__name__}: {cause or exc}") from None
+                        raise _failure(exc, decision.group, api) from None
                     if not finished and len(out.token_ids) == len(out.new_token_ids):
-                        router.on_prefill_done.remote(decision.request_id)
+                        router.on_prefill_done.remote(attempt)
                     finished = out.finished
                     yielded = True
                     yield out, decision.cached_tokens
@@ -319,9 +329,9 @@ class Gateway:
                                api) from None
                 out = None  # nothing of the failed attempt is billed: the retry starts over
             finally:
-                router.on_finish.remote(decision.request_id)
-                if not finished:
-                    decision.leader.abort.remote(decision.request_id)
+                router.on_finish.remote(attempt)  # also when the client left during routing
+                if decision is not None and not finished:
+                    decision.leader.abort.remote(attempt)
                 if out is not None:
                     account(out, decision.cached_tokens)
 

@@ -205,7 +205,7 @@ class Router:
     def queue_share(self, tenant: str) -> int:
         """Prefill tokens ``tenant`` may have queued once every group's queue is full: its weighted part of all
         queues (all of them when no shares are configured)."""
-        total = (self.max_queued_prefill_tokens or 0) * len(self.loads)
+        total = (self.max_queued_prefill_tokens or 0) * sum(1 for g in self.loads if g not in self.paused)
         if not self.tenant_shares:
             return total
         return int(total * self.tenant_shares.get(tenant, 1.0) / sum(self.tenant_shares.values()))

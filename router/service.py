@@ -109,7 +109,9 @@ class RouterService:
             print(f"kvgrid router: group {group} paused after a failure ({reason})", flush=True)
 
     def pause_group(self, group: str, paused: bool = True) -> None:
-        self.router.pause_group(group, paused)
+        """Stop (or resume) routing to ``group``; a group this replica does not know is ignored."""
+        if group in self.router.loads:
+            self.router.pause_group(group, paused)
 
     def groups(self) -> dict[str, dict]:
         """Per group: whether it is paused, its load, and how many keys the index holds for it."""

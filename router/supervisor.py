@@ -15,12 +15,13 @@ import time
 from collections.abc import Sequence
 
 import ray
-from ray.exceptions import RayError
 
 from common.sampling import SamplingParams
 from worker.group import GroupConfig, WorkerGroup
 
 STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"
+ROUTER_TIMEOUT_S = 30.0
+RECOMPUTE_TIMEOUT_S = 300.0  # one output of a pinned entry's recompute on another group
 
 
 class Supervisor:
@@ -54,24 +55,32 @@ class Supervisor:
 
     def scale(self, groups: int, remove: Sequence[str] = (), drain_timeout_s: float | None = None) -> list[dict]:
         """Run ``groups`` groups: start new ones (each receives traffic once healthy) or drain the surplus
-        (the ones named in ``remove`` first, then the newest). Returns ``describe()``."""
+        (the ones named in ``remove`` first, then the newest). A group that failed and could not restart is
+        dropped first. Returns ``describe()``."""
         if groups < 1:
             raise ValueError("groups must be >= 1 (drain a deployment by stopping kvgrid serve)")
         if self.max_groups is not None and groups > self.max_groups:
             raise ValueError(f"groups must be <= {self.max_groups} (max_groups in the config)")
         with self._scaling:
             with self._mu:
-                active = [g for g, s in self.state.items() if s != DRAINING]
-            unknown = [g for g in remove if g not in active]
+                failed = [g for g, s in self.state.items() if s == FAILED]
+                for g in failed:
+                    self.state[g] = DRAINING  # the health check leaves it alone from now on
+            for g in failed:
+                self._release(g)
+            with self._mu:
+                active = [g for g, s in self.state.items() if s in (SERVING, RESTARTING)]
+                serving = [g for g in active if self.state[g] == SERVING]
+            unknown = [g for g in remove if g not in serving]
             if unknown:
-                raise ValueError(f"no such worker group: {', '.join(unknown)} (groups: {', '.join(active)})")
+                raise ValueError(f"no serving worker group {', '.join(unknown)} (serving: {', '.join(serving)})")
             surplus = len(active) - groups
             if len(set(remove)) > max(0, surplus):
                 raise ValueError(f"remove names {len(set(remove))} group(s) but scaling to {groups} removes "
                                  f"{max(0, surplus)}")
             for _ in range(-surplus):
                 self._add()
-            victims = list(dict.fromkeys(remove)) + [g for g in reversed(active) if g not in remove]
+            victims = list(dict.fromkeys(remove)) + [g for g in reversed(serving) if g not in remove]
             for name in victims[:max(0, surplus)]:
                 self._drain(name, self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
         return self.describe()
@@ -82,7 +91,7 @@ class Supervisor:
             self._next += 1
             self.state[name] = STARTING
         try:
-            group = WorkerGroup(dataclasses.replace(self.template, name=name))
+            group = WorkerGroup(dataclasses.replace(self.template, name=name))  # cleans up after itself on failure
             reason = group.health()
             if reason is not None:
                 group.shutdown()
@@ -102,10 +111,11 @@ class Supervisor:
     def _drain(self, name: str, timeout_s: float) -> None:
         with self._mu:
             group = self.groups[name]
-            self.state[name] = DRAINING
+            self.state[name] = DRAINING  # from now on the health check leaves it alone
         self._tell_routers("pause_group", name)
         _log(f"draining group {name}")
-        moved = self._move_pins(name, group)
+        moved: set[tuple[str, tuple[int, ...]]] = set()
+        self._move_pins(name, group, moved)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -117,35 +127,42 @@ class Supervisor:
             time.sleep(0.05)
         else:
             _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now")
-        self._tell_routers("remove_group", name)  # its index entries go with it
-        group.shutdown()
-        self._drop_stream(name)
-        with self._mu:
-            self.groups.pop(name, None)
-            self.state.pop(name, None)
-        _log(f"group {name} drained and removed ({moved} pinned entries moved)")
+        self._move_pins(name, group, moved)  # pins made by the requests that were still running
+        self._release(name)
+        _log(f"group {name} drained and removed ({len(moved)} pinned entries moved)")
 
-    def _move_pins(self, name: str, group: WorkerGroup) -> int:
-        """Recompute and pin the draining group's explicit cache entries on the groups the router picks now."""
+    def _release(self, name: str) -> None:
+        """Drop a group from the routers (with its index entries) and free its actors and placement group."""
+        self._tell_routers("remove_group", name)
+        with self._mu:
+            group = self.groups.pop(name, None)
+            self.state.pop(name, None)
+        if group is not None:
+            group.shutdown()
+        self._drop_stream(name)
+
+    def _move_pins(self, name: str, group: WorkerGroup, moved: set) -> None:
+        """Recompute and pin the draining group's explicit cache entries on the groups the router picks now
+        (each entry once: ``moved`` remembers them)."""
         try:
             entries = ray.get(group.leader.pinned_entries.remote(), timeout=60)
-        except RayError:
-            return 0
-        moved = 0
+        except Exception:
+            return
         for tenant, tokens, ttl_s in sorted(entries, key=lambda e: -len(e[1])):  # longest first: covers the rest
+            if (tenant, tuple(tokens)) in moved:
+                continue
             try:
-                decision = ray.get(self.router.route.remote(tenant, tokens, None, [name]))
+                decision = ray.get(self.router.route.remote(tenant, tokens, None, [name]), timeout=30)
                 try:
                     params = SamplingParams(max_tokens=1, temperature=0.0)
                     for ref in decision.leader.generate.remote(tokens, params, tenant, decision.request_id,
                                                                len(tokens), ttl_s):
-                        ray.get(ref)
+                        ray.get(ref, timeout=RECOMPUTE_TIMEOUT_S)
                 finally:
                     self.router.on_finish.remote(decision.request_id)
-                moved += 1
+                moved.add((tenant, tuple(tokens)))
             except Exception as exc:  # the entry is lost on this group only: it is recomputed on next use
                 _log(f"group {name}: could not move a pinned entry ({type(exc).__name__})")
-        return moved
 
     def _drop_stream(self, name: str) -> None:
         if not self.redis_url:
@@ -160,7 +177,82 @@ class Supervisor:
             pass
 
     def _tell_routers(self, method: str, *args) -> None:
-        ray.get([getattr(r, method).remote(*args) for r in self.routers])
+        """Call ``method`` on every router replica; a replica that fails or does not answer is logged, not fatal."""
+        refs = [getattr(r, method).remote(*args) for r in self.routers]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=ROUTER_TIMEOUT_S)
+            except Exception as exc:
+                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})")
+
+    # -- failures ---------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            try:
+                self.check()
+            except Exception as exc:  # never let the watcher die
+                _log(f"health check failed: {type(exc).__name__}: {exc}")
+
+    def check(self) -> None:
+        """Restart every serving group that has failed (and retry failed restarts); resume routing to a group
+        that was reported failed but is healthy."""
+        with self._mu:
+            watched = [(g, self.groups[g]) for g, s in self.state.items() if s in (SERVING, FAILED)]
+        if not watched:
+            return
+        paused: set[str] = set()
+        for r in self.routers:
+            try:
+                paused |= {g for g, info in ray.get(r.groups.remote(), timeout=ROUTER_TIMEOUT_S).items()
+                           if info["paused"]}
+            except Exception as exc:  # a replica that does not answer must not stop the health checks
+                _log(f"a router replica did not answer ({type(exc).__name__})")
+        for name, group in watched:
+            try:
+                reason = group.health()
+            except Exception as exc:
+                reason = f"health check failed: {type(exc).__name__}"
+            with self._mu:
+                state = self.state.get(name)
+                if state not in (SERVING, FAILED):
+                    continue  # a drain or a scale took it meanwhile
+                if reason is None and state == SERVING:
+                    if name in paused:
+                        self._tell_routers("pause_group", name, False)
+                    continue
+                self.state[name] = RESTARTING
+            self._restart(name, group, reason or "it was not running")
+
+    def _restart(self, name: str, group: WorkerGroup, reason: str) -> None:
+        _log(f"group {name} failed ({reason}); restarting it")
+        # Its cache is gone: drop the group and its index entries now, re-add it once it serves again.
+        self._tell_routers("remove_group", name)
+        try:
+            group.restart()
+        except Exception as exc:
+            with self._mu:
+                if self.state.get(name) == RESTARTING:
+                    self.state[name] = FAILED  # retried at the next check
+            _log(f"group {name} could not restart: {type(exc).__name__}: {exc}")
+            return
+        with self._mu:
+            if self.state.get(name) != RESTARTING:
+                return
+        self._tell_routers("add_group", name, group.leader)
+        with self._mu:
+            self.state[name] = SERVING
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+        _log(f"group {name} restarted and serving")
+
+    def _tell_routers(self, method: str, *args) -> None:
+        """Call ``method`` on every router replica; a replica that fails or does not answer is logged, not fatal."""
+        refs = [getattr(r, method).remote(*args) for r in self.routers]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=ROUTER_TIMEOUT_S)
+            except Exception as exc:
+                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})")
 
     # -- failures ---------------------------------------------------------------------------------------------
 
@@ -211,7 +303,10 @@ class Supervisor:
         """One entry per group: name, state, restarts, where its ranks run, and its engine counters."""
         with self._mu:
             items = [(g, self.state[g], self.groups.get(g)) for g in self.state]
-        routed = ray.get(self.router.groups.remote())
+        try:
+            routed = ray.get(self.router.groups.remote(), timeout=ROUTER_TIMEOUT_S)
+        except Exception:
+            routed = {}
         out = []
         for name, state, group in items:
             entry: dict = {"name": name, "state": state, "tp": self.template.tp,

@@ -219,7 +219,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, compute, sample, and report every request that produced tokens."""
         now = time.monotonic()
-        self.kv.pool.expire_pins(now)
+        if self.kv.pool.expire_pins(now) and self._pin_entries:
+            self._prune_pin_entries(now)
         batch = self.scheduler.schedule()
         if not batch:
             if self.has_unfinished():
@@ -272,9 +273,12 @@ class Engine:
     def pinned_entries(self) -> list[tuple[str, list[int], float]]:
         """The explicit cache entries still pinned here: (tenant, prompt tokens, seconds left)."""
         now = time.monotonic()
+        self._prune_pin_entries(now)
+        return [(t, list(toks), until - now) for t, toks, until in self._pin_entries.values()]
+
+    def _prune_pin_entries(self, now: float) -> None:
         for key in [k for k, (_, _, until) in self._pin_entries.items() if until <= now]:
             del self._pin_entries[key]
-        return [(t, list(toks), until - now) for t, toks, until in self._pin_entries.values()]
 
     def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
         seq.token_ids.append(tok)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -108,9 +109,16 @@ class RankActor:
         if self._wake is None:
             self._wake = asyncio.Event()
             asyncio.get_running_loop().create_task(self._step_loop())
-        rid = await self._locked(self.engine.add_request, prompt, params, tenant, request_id, pin_tokens, pin_ttl_s)
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
+        self._queues[rid] = queue  # before the engine knows it: an abort right after always finds the queue
+        try:
+            await self._locked(self.engine.add_request, prompt, params, tenant, rid, pin_tokens, pin_ttl_s)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
         self._wake.set()
         finished = False
         try:
@@ -225,6 +233,14 @@ class WorkerGroup:
         return self.ranks[0]
 
     def start(self) -> None:
+        """Reserve the group's placement group and start its ranks; on any failure nothing stays reserved."""
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
         cfg = self.config
         accel = cfg.accelerator or ("GPU" if cfg.use_gpu else None)
         per_rank = {"CPU": 1, accel: 1} if accel else {"CPU": 1}
@@ -281,6 +297,8 @@ class WorkerGroup:
 
     def health(self) -> str | None:
         """None when every rank is alive and the leader reports no failure, else the reason."""
+        if not self.ranks:
+            return "not running"
         done, _ = ray.wait(self._follows, num_returns=len(self._follows), timeout=0) if self._follows else ([], [])
         for ref in done:  # a follower only returns early when its rank died or the group broke
             reason = f"rank {self._follows.index(ref) + 1} stopped"
