@@ -4,8 +4,8 @@ one with the policy, and keep per-group load. Exact, because the workers publish
 from __future__ import annotations
 
 import itertools
-import secrets
 import math
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence

@@ -217,12 +217,17 @@ class Supervisor:
                 state = self.state.get(name)
                 if state not in (SERVING, FAILED):
                     continue  # a drain or a scale took it meanwhile
-                if reason is None and state == SERVING:
-                    if name in paused:
-                        self._tell_routers("pause_group", name, False)
-                    continue
-                self.state[name] = RESTARTING
-            self._restart(name, group, reason or "it was not running")
+                healthy = reason is None and state == SERVING
+                if not healthy:
+                    self.state[name] = RESTARTING
+            if not healthy:
+                self._restart(name, group, reason or "it was not running")
+            elif name in paused:
+                self._tell_routers("pause_group", name, False)
+                with self._mu:
+                    drained = self.state.get(name) != SERVING
+                if drained:  # a drain paused it meanwhile: it must stay paused
+                    self._tell_routers("pause_group", name)
 
     def _restart(self, name: str, group: WorkerGroup, reason: str) -> None:
         _log(f"group {name} failed ({reason}); restarting it")
@@ -244,58 +249,6 @@ class Supervisor:
             self.state[name] = SERVING
             self.restarts[name] = self.restarts.get(name, 0) + 1
         _log(f"group {name} restarted and serving")
-
-    def _tell_routers(self, method: str, *args) -> None:
-        """Call ``method`` on every router replica; a replica that fails or does not answer is logged, not fatal."""
-        refs = [getattr(r, method).remote(*args) for r in self.routers]
-        for ref in refs:
-            try:
-                ray.get(ref, timeout=ROUTER_TIMEOUT_S)
-            except Exception as exc:
-                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})")
-
-    # -- failures ---------------------------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.health_interval_s):
-            try:
-                self.check()
-            except Exception as exc:  # never let the watcher die
-                _log(f"health check failed: {type(exc).__name__}: {exc}")
-
-    def check(self) -> None:
-        """Restart every serving group that has failed; resume routing to a paused group found healthy."""
-        with self._mu:
-            serving = [(g, self.groups[g]) for g, s in self.state.items() if s in (SERVING, FAILED)]
-        if not serving:
-            return
-        paused = {g for r in ray.get([r.groups.remote() for r in self.routers]) for g, info in r.items()
-                  if info["paused"]}
-        for name, group in serving:
-            reason = group.health()
-            if reason is None:
-                if name in paused:
-                    self._tell_routers("pause_group", name, False)
-                continue
-            with self._mu:
-                if self.state.get(name) not in (SERVING, FAILED):
-                    continue  # a drain took it meanwhile
-                self.state[name] = RESTARTING
-            _log(f"group {name} failed ({reason}); restarting it")
-            # Its cache is gone: drop the group and its index entries now, re-add it once it serves again.
-            self._tell_routers("remove_group", name)
-            try:
-                group.restart()
-            except Exception as exc:
-                with self._mu:
-                    self.state[name] = FAILED
-                _log(f"group {name} could not restart: {type(exc).__name__}: {exc}")
-                continue
-            self._tell_routers("add_group", name, group.leader)
-            with self._mu:
-                self.state[name] = SERVING
-                self.restarts[name] = self.restarts.get(name, 0) + 1
-            _log(f"group {name} restarted and serving")
 
     # -- inspection -------------------------------------------------------------------------------------------
 
@@ -324,10 +277,6 @@ class Supervisor:
                     entry["error"] = f"{type(exc).__name__}"
             out.append(entry)
         return out
-
-    def leaders(self) -> dict:
-        with self._mu:
-            return {g: grp.leader for g, grp in self.groups.items() if self.state.get(g) == SERVING}
 
     def shutdown(self) -> None:
         """Stop watching and stop every group."""
