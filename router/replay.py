@@ -1,6 +1,6 @@
 """``kvgrid replay``: a request trace through the real router and simulated worker groups.
 
-Trace format (``../shared/traces``): one JSON object per line with ``timestamp`` (ms), ``input_length``,
+Trace format (the Mooncake traces; a cut ships in ``tests/data``): one JSON object per line with ``timestamp`` (ms), ``input_length``,
 ``output_length`` and ``hash_ids``, one id per block of the prompt, chained (equal ids mean equal content and
 equal prefix). A request's block keys are the chained hash (``common.hashing``) of its ids under its tenant's
 root key: the same index, policy and load bookkeeping a live router runs, fed with ids instead of tokens.

@@ -16,7 +16,7 @@ from router.router import Router
 from router.transport import InProcessTransport
 
 SECRET = b"router-test-secret"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1500.jsonl"  # see tests/data/README.md
 
 
 def k(i: int) -> bytes:
