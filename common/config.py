@@ -73,6 +73,10 @@ class LimitsConfig(_Strict):
     requests_per_s: int | None = Field(None, ge=1)
     tokens_per_min: int | None = Field(None, ge=1)  # prompt tokens + max output tokens asked for
     max_prompt_tokens: int | None = Field(None, ge=1)
+    max_inflight_requests: int = Field(256, ge=1)  # requests running at once (counted by each gateway replica)
+    # Live cached content objects (/v1/cachedContents) and their tokens together; past them a create is refused.
+    max_cached_contents: int = Field(100, ge=0)
+    max_cached_content_tokens: int = Field(1_000_000, ge=0)
 
 
 class TenantConfig(_Strict):
@@ -99,7 +103,10 @@ class TenantConfig(_Strict):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    replicas: int = Field(1, ge=1)  # gateway replicas per tenant (Serve spreads them over the frontend nodes)
+    replicas: int = Field(1, ge=1)  # gateway replicas (Serve spreads them over the frontend nodes)
+    # Requests one gateway (or admin) replica works on at once; Ray Serve queues the rest (its own default is 5).
+    max_ongoing_requests: int = Field(1024, ge=1)
+    docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
 
 
 class ServeConfig(_Strict):
@@ -115,6 +122,7 @@ class ServeConfig(_Strict):
     max_groups: int | None = Field(None, ge=1)  # the most groups `kvgrid scale` may ask for (default 2 x groups)
     http: HttpConfig = HttpConfig()
     admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API
+    redis_timeout_s: float = Field(1.0, gt=0, le=60)  # past it a Redis call fails (503) instead of waiting
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")

@@ -2,17 +2,26 @@
 
 Each entry carries the publisher's sequence number ``n`` (0, 1, 2, ... from the group's start). A reader that
 sees a gap (it started after the stream was trimmed, or fell behind the trim) asks for a snapshot of the
-group's current keys instead of trusting a partial history; a new ``n == 0`` means the group restarted.
+group's current keys instead of trusting a partial history; a new ``n == 0`` means the group restarted (or its
+publisher rewrote its state after losing events). Entries also carry ``h``, an id of the publisher's current
+history, which readers may ignore.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 STREAM_PREFIX = "kvgrid:events:"
+_SNAPSHOT_CHUNK = 10_000  # keys per BlockStored entry of a snapshot
+_log = logging.getLogger("kvgrid.events")
 
 
 def stream_name(group: str) -> str:
@@ -44,20 +53,188 @@ def decode(fields: dict[bytes, bytes]) -> tuple[int, KVEvent]:
     raise ValueError(f"unknown KV event type {kind!r}")
 
 
-class RedisStreamSink:
-    """An ``EventSink`` for a block pool: appends its events to the group's stream (approximately capped)."""
+def stream_client(url: str, timeout_s: float = 2.0):
+    """A Redis client for a ``RedisStreamSink``: short socket timeouts and no retries of its own (the sink's
+    writer retries with backoff), so a paused or unreachable Redis is noticed quickly."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
-    def __init__(self, client, group: str, max_len: int = 1_000_000) -> None:
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+
+
+class RedisStreamSink:
+    """An ``EventSink`` for a block pool that never makes its publisher wait on Redis.
+
+    ``publish`` only appends to a bounded in-memory buffer; a daemon thread writes the buffer to the group's
+    stream (approximately capped at ``max_len``) in pipelined batches, retrying with backoff while Redis is
+    unreachable, so the engine keeps stepping at full speed through a Redis outage and the events follow once
+    Redis answers again. A new sink (a group's start) begins a new history: the writer first trims the stream
+    (trimming, not deleting, so new entry ids stay above every reader's cursor) and writes ``AllCleared`` as
+    ``n == 0``. Each entry also carries ``h``, an id of its history, which lets the writer tell after an
+    outage whether its last batch landed and whether Redis still holds its history.
+
+    If more than ``max_buffer`` events pile up (a long outage), the buffer is dropped. With ``snapshot`` (returns
+    every key the pool holds; the caller makes it safe to call from the writer thread, e.g. by taking the
+    engine's lock) the writer then starts a new history, ``AllCleared`` and ``BlockStored`` of the snapshot,
+    followed by the events published since the snapshot began (re-applying those is harmless: events set keys
+    present or absent). It does the same when Redis comes back without the history (restarted empty). Without
+    ``snapshot`` the dropped events leave a gap in ``n``, which makes readers resynchronise from the group.
+
+    Give it a client with short socket timeouts (``stream_client``)."""
+
+    def __init__(
+        self,
+        client,
+        group: str,
+        max_len: int = 1_000_000,
+        snapshot: Callable[[], list[bytes]] | None = None,
+        max_buffer: int = 100_000,
+        batch: int = 256,
+        max_backoff_s: float = 2.0,
+    ) -> None:
         self.client, self.stream, self.max_len = client, stream_name(group), max_len
-        self.n = 0
-        # A (re)start begins a new history: drop the old one (trimming, not deleting, so new entry ids stay
-        # above every reader's cursor), and tell readers to drop what they knew.
-        self.client.xtrim(self.stream, maxlen=0, approximate=False)
-        self.publish(AllCleared())
+        self.snapshot, self.max_buffer, self.batch, self.max_backoff_s = snapshot, max_buffer, batch, max_backoff_s
+        self.dropped = 0  # events dropped on overflow (for operators)
+        self._cond = threading.Condition()
+        self._buf: deque[KVEvent] = deque()
+        self._gen = 0  # bumped whenever the buffer is replaced: a batch taken from an older one is stale
+        self._n = 0  # the sequence number of _buf[0]
+        self._history = ""
+        self._trim_pending = False
+        self._resync = False  # the buffer overflowed: write a snapshot next
+        self._written: tuple[str, int] | None = None  # (history, n) of the last entry known to be in the stream
+        self._closed = False
+        self._new_history()
+        self._buf.append(AllCleared())
+        self._thread = threading.Thread(target=self._run, name=f"kvgrid-events-{group}", daemon=True)
+        self._thread.start()
 
     def publish(self, event: KVEvent) -> None:
-        self.client.xadd(self.stream, encode(event, self.n), maxlen=self.max_len, approximate=True)
-        self.n += 1
+        with self._cond:
+            if self._resync:
+                self.dropped += 1
+                return  # the snapshot the writer will take covers it
+            if len(self._buf) >= self.max_buffer:
+                self.dropped += len(self._buf) + 1
+                self._n += len(self._buf)  # without a snapshot, readers see the gap and resync
+                self._buf.clear()
+                self._gen += 1
+                if self.snapshot is not None:
+                    self._resync = True
+                    self._cond.notify_all()
+                    return
+            self._buf.append(event)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event published so far is in Redis; False if that took longer than ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._buf and not self._resync, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is buffered (for at most ``timeout`` seconds) and stop the writer."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _new_history(self) -> None:
+        """Called with the lock held: the next write trims the stream and numbers entries from 0."""
+        self._history, self._n, self._trim_pending = os.urandom(8).hex(), 0, True
+
+    def _run(self) -> None:
+        delay, healthy, attempted = 0.0, True, None
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._buf or self._resync or self._closed)
+                if self._closed:
+                    return
+                gen, n0, history, trim, resync = self._gen, self._n, self._history, self._trim_pending, self._resync
+                items = list(itertools.islice(self._buf, self.batch))
+            try:
+                if not healthy:
+                    self.client.ping()
+                    _log.warning("kvgrid events: %s reachable again", self.stream)
+                    last = self._last_entry()
+                    if attempted is not None and attempted[0] == gen and last == attempted[2]:
+                        self._done(gen, attempted[1], trim, last)  # the batch that timed out had landed
+                        healthy, delay, attempted = True, 0.0, None
+                        continue
+                    if not trim and last != self._written and self.snapshot is not None:
+                        resync = True  # Redis lost our history (restarted empty, or the stream was deleted)
+                    healthy = True
+                if resync:
+                    self._write_snapshot()
+                    continue
+                attempted = (gen, len(items), (history, n0 + len(items) - 1))
+                self._write(trim, history, n0, items)
+            except Exception as exc:  # Redis unreachable or slow (or the snapshot failed): retry with backoff
+                if healthy:
+                    _log.warning("kvgrid events: writing %s failed (%s: %s); buffering and retrying",
+                                 self.stream, type(exc).__name__, exc)
+                healthy = False
+                delay = min(self.max_backoff_s, max(0.05, delay * 2))
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._closed, delay):
+                        return
+                continue
+            self._done(gen, len(items), trim, attempted[2])
+            delay, attempted = 0.0, None
+
+    def _last_entry(self) -> tuple[str, int] | None:
+        entries = self.client.xrevrange(self.stream, count=1)
+        if not entries:
+            return None
+        fields = entries[0][1]
+        return fields.get(b"h", b"").decode(), int(fields[b"n"])
+
+    def _write(self, trim: bool, history: str, n0: int, items: list[KVEvent]) -> None:
+        pipe = self.client.pipeline(transaction=True)  # all or nothing: a retry never duplicates half a batch
+        if trim:
+            pipe.xtrim(self.stream, maxlen=0, approximate=False)
+        for i, event in enumerate(items):
+            fields = encode(event, n0 + i)
+            fields["h"] = history
+            pipe.xadd(self.stream, fields, maxlen=self.max_len, approximate=True)
+        pipe.execute()
+
+    def _done(self, gen: int, count: int, trim: bool, last: tuple[str, int]) -> None:
+        """``count`` events from the head of the buffer are in the stream, ending with entry ``last``."""
+        with self._cond:
+            if self._gen == gen:
+                for _ in range(count):
+                    self._buf.popleft()
+                self._n += count
+                if trim:
+                    self._trim_pending = False
+                self._written = last
+            self._cond.notify_all()
+
+    def _write_snapshot(self) -> None:
+        """Replace the buffer with a new history: ``AllCleared``, the pool's keys, then what follows them."""
+        assert self.snapshot is not None
+        with self._cond:
+            self._gen += 1
+            self._buf.clear()
+            self._resync = False
+            gen = self._gen
+        try:
+            keys = self.snapshot()  # events published from here on stay in the buffer, after the snapshot
+        except Exception:
+            with self._cond:
+                self._resync = True
+            raise
+        chunks = [BlockStored(keys[i : i + _SNAPSHOT_CHUNK], None) for i in range(0, len(keys), _SNAPSHOT_CHUNK)]
+        with self._cond:
+            if self._gen != gen:
+                return  # overflowed again meanwhile: the next snapshot replaces this one
+            self._buf.extendleft(reversed([AllCleared(), *chunks]))
+            self._new_history()
+            self._cond.notify_all()
 
 
 class RedisStreamSubscription:
@@ -89,12 +266,24 @@ class RedisStreamSubscription:
         self.next_n.pop(group, None)
 
     def poll(self) -> list[tuple[str, KVEvent]]:
-        if not self.cursor:
+        streams = dict(self.cursor)
+        return self.consume(streams, self.read(streams))
+
+    def read(self, streams: dict[str, str]):
+        """Redis's reply for ``streams`` (a copy of ``cursor``): the only network call of a poll, so a caller
+        may run it in another thread and hand the reply to ``consume`` on its own."""
+        if not streams:
             return []
-        reply = self.client.xread(self.cursor, count=self.max_batch, block=self.block_ms)
+        return self.client.xread(streams, count=self.max_batch, block=self.block_ms)
+
+    def consume(self, streams: dict[str, str], reply) -> list[tuple[str, KVEvent]]:
+        """The events of a ``read(streams)`` reply, advancing the cursors. A stream whose cursor changed since
+        the read (its group was removed or added again) is skipped: the next read fetches it afresh."""
         out: list[tuple[str, KVEvent]] = []
         for stream, entries in reply or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream
+            if self.cursor.get(stream) != streams.get(stream):
+                continue
             group = stream[len(STREAM_PREFIX) :]
             for entry_id, fields in entries:
                 self.cursor[stream] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -4,17 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Limits that keep one request's cost per step bounded (stop strings are searched after every token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+_INT32_MAX = 2**31 - 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 
 @dataclass
 class SamplingParams:
     """How to pick output tokens for one request.
 
-    ``temperature`` below 1e-5 is greedy (dividing logits by less overflows). ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
-    sampled request reproducible on its own, whatever else is in the batch. ``stop`` strings end the output
-    (and are cut from the text); ``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS end it too (the
-    token stays in ``token_ids``, as in transformers' ``generate``). ``logprobs``: ``None`` for none, ``0`` for
-    the chosen tokens' log-probabilities, ``n > 0`` to also return the ``n`` most likely alternatives.
-    Log-probabilities are those of the model's distribution before temperature and filtering.
+    ``temperature`` in [0, 100]; below 1e-5 is greedy (dividing logits by less overflows). ``top_p`` in (0, 1]
+    (1 disables it; the most likely token is always kept). ``top_k`` >= -1 (0 or -1 disable it). ``seed`` (any
+    64-bit integer) makes a sampled request reproducible on its own, whatever else is in the batch. ``stop``
+    strings (at most 16, each 1 to 512 characters) end the output and are cut from the text;
+    ``stop_token_ids`` (at most 64) and, unless ``ignore_eos``, the model's EOS end it too (the token stays in
+    ``token_ids``, as in transformers' ``generate``). ``logprobs``: ``None`` for none, ``0`` for the chosen
+    tokens' log-probabilities, ``n`` in 1..20 to also return the ``n`` most likely alternatives.
+    Log-probabilities are those of the model's distribution before temperature and filtering. Anything else
+    raises ``ValueError`` naming the field.
     """
 
     max_tokens: int = 16
@@ -30,28 +49,37 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
         self.stop = list(self.stop)
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("stop_token_ids must be a list of non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative token ids")
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT32_MAX:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
 
     @property
     def greedy(self) -> bool:

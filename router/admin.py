@@ -2,7 +2,7 @@
 ``admin_keys``; tenant keys never open it. ``kvgrid scale`` and ``kvgrid groups`` are its clients.
 
     GET  /admin/v1/groups                      the worker groups (state, ranks, load); index keys per group, per
-                                               router replica
+                                               router replica; the supervisor's and each replica's process
     POST /admin/v1/scale   {"groups": N, "remove": ["g1"], "drain_timeout_s": 120}
     POST /admin/v1/match   {"tenant": "acme", "token_ids": [...]}   leading blocks each group holds
     GET  /admin/v1/metrics                     Prometheus gauges of every worker group (load, blocks)
@@ -12,31 +12,42 @@ Group load is operator data: it moves with every tenant's traffic, so no tenant 
 
 # No "from __future__ import annotations": FastAPI must see real types.
 
-import hmac
+import asyncio
+from typing import Annotated
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 
-from router.store import hash_api_key
+from router.store import KeyRing
 
-admin_app = FastAPI(title="kvgrid admin")
+CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
+DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)
+SCALE_TIMEOUT_S = 3600.0  # a scale waits for groups to start and drain (each bounded by the supervisor)
+
+admin_app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+# Strict: an operator's typo must not scale the cluster (``{"groups": true}`` would otherwise mean 1 group).
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_ADMIN_BODY_BYTES = 4 * 2**20
 
 
 class ScaleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    groups: int = Field(ge=1)
-    remove: list[str] = []
-    drain_timeout_s: float | None = Field(None, gt=0)
+    model_config = _STRICT
+    groups: int = Field(ge=1, le=1024)
+    remove: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=64)
+    drain_timeout_s: float | None = Field(None, gt=0, le=3600)
 
 
 class MatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tenant: str
-    token_ids: list[int]
+    model_config = _STRICT
+    tenant: str = Field(min_length=1, max_length=256)
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=2**20)
 
 
 class _AdminError(Exception):
@@ -58,18 +69,34 @@ def _presented_key(request: Request) -> str:
 
 
 async def _parse(request: Request, model: type[BaseModel]):
+    chunks, size = [], 0
+    async for chunk in request.stream():  # stop reading past the limit, with or without a content-length
+        size += len(chunk)
+        if size > MAX_ADMIN_BODY_BYTES:
+            raise _AdminError(413, f"request body exceeds {MAX_ADMIN_BODY_BYTES} bytes")
+        chunks.append(chunk)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise _AdminError(400, f"{'.'.join(str(p) for p in first['loc']) or 'body'}: {first['msg']}") from None
 
 
-def _remote_error(exc: RayError) -> _AdminError:
+def _remote_error(exc: BaseException) -> _AdminError:
+    if isinstance(exc, (RayActorError, asyncio.TimeoutError)):  # restarting, or not answering: retry later
+        return _AdminError(503, f"the cluster did not answer ({type(exc).__name__}); retry shortly")
     cause = getattr(exc, "cause", None)
     if isinstance(cause, ValueError):
         return _AdminError(400, str(cause))
     return _AdminError(500, f"{type(cause or exc).__name__}: {cause or exc}")
+
+
+async def _call(ref, timeout_s: float = CALL_TIMEOUT_S):
+    """The result of a remote call, or the matching admin error (never a wait without end)."""
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except (RayError, asyncio.TimeoutError) as exc:
+        raise _remote_error(exc) from None
 
 
 _GAUGES = [  # (name, help, EngineStats field)
@@ -86,35 +113,69 @@ _GAUGES = [  # (name, help, EngineStats field)
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(admin_app)
 class Admin:
-    def __init__(self, key_hashes: list[str], tenants: list[str], supervisor, routers: list) -> None:
-        self.key_hashes = list(key_hashes)  # SHA-256 of the admin keys; the keys themselves are not kept
+    """``keys`` holds the admin keys' hashes under the name ``admin`` (``KeyRing.from_config``)."""
+
+    def __init__(self, keys: KeyRing, tenants: list[str], supervisor, routers: list, docs: bool = False) -> None:
+        self.keys = keys
         self.tenants = set(tenants)
         self.supervisor, self.routers = supervisor, list(routers)
+        self.docs_on = docs
         self.registry = CollectorRegistry()
         self.gauges = [(Gauge(name, doc, ["group"], registry=self.registry), field) for name, doc, field in _GAUGES]
 
     def _auth(self, request: Request) -> None:
-        presented = hash_api_key(_presented_key(request))
-        ok = False
-        for h in self.key_hashes:  # compare with every key, in constant time each
-            ok |= hmac.compare_digest(h, presented)
-        if not ok:
+        if not self.keys.authenticate("admin", _presented_key(request)):
             raise _AdminError(401, "invalid admin key")
+
+    async def _ask_router(self, method: str, *args):
+        """Ask the first router replica that answers (a dead or restarting one is skipped)."""
+        last: BaseException | None = None
+        for router in self.routers:
+            try:
+                return await asyncio.wait_for(getattr(router, method).remote(*args), CALL_TIMEOUT_S)
+            except (RayActorError, asyncio.TimeoutError) as exc:
+                last = exc
+            except RayError as exc:
+                raise _remote_error(exc) from None
+        raise _remote_error(last) from None
+
+    @admin_app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        if not self.docs_on:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse(request.app.openapi())
+
+    @admin_app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        if not self.docs_on:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
+                                   title="kvgrid admin")
 
     @admin_app.get("/v1/groups")
     async def groups(self, request: Request):
         self._auth(request)
-        return {"groups": await self.supervisor.describe.remote(),
-                "index_keys": [await r.index_key_counts.remote() for r in self.routers]}  # per router replica
+        index_keys = []  # per router replica; one that does not answer shows as null
+        for r in self.routers:
+            try:
+                index_keys.append(await asyncio.wait_for(r.index_key_counts.remote(), CALL_TIMEOUT_S))
+            except (RayError, asyncio.TimeoutError):
+                index_keys.append(None)
+        routers = []  # each replica's process (a new pid after Ray restarted it); null if it does not answer
+        for r in self.routers:
+            try:
+                routers.append(await asyncio.wait_for(r.info.remote(), CALL_TIMEOUT_S))
+            except (RayError, asyncio.TimeoutError):
+                routers.append(None)
+        return {"groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S), "index_keys": index_keys,
+                "supervisor": await _call(self.supervisor.info.remote()), "routers": routers}
 
     @admin_app.post("/v1/scale")
     async def scale(self, request: Request):
         self._auth(request)
         body: ScaleRequest = await _parse(request, ScaleRequest)
-        try:
-            groups = await self.supervisor.scale.remote(body.groups, body.remove, body.drain_timeout_s)
-        except RayError as exc:
-            raise _remote_error(exc) from None
+        groups = await _call(self.supervisor.scale.remote(body.groups, body.remove, body.drain_timeout_s),
+                             SCALE_TIMEOUT_S)
         return {"groups": groups}
 
     @admin_app.post("/v1/match")
@@ -123,17 +184,17 @@ class Admin:
         body: MatchRequest = await _parse(request, MatchRequest)
         if body.tenant not in self.tenants:
             raise _AdminError(404, f"no tenant {body.tenant!r}")
-        return {"groups": await self.routers[0].match.remote(body.tenant, body.token_ids)}
+        return {"groups": await self._ask_router("match", body.tenant, body.token_ids)}
 
     @admin_app.get("/v1/metrics")
     async def metrics(self, request: Request):
         self._auth(request)
         for gauge, _ in self.gauges:  # drained groups disappear
             gauge.clear()
-        for group, leader in (await self.routers[0].leaders_now.remote()).items():
+        for group, leader in (await self._ask_router("leaders_now")).items():
             try:
-                stats = await leader.stats.remote()
-            except RayError:
+                stats = await asyncio.wait_for(leader.stats.remote(), CALL_TIMEOUT_S)
+            except (RayError, asyncio.TimeoutError):
                 continue
             for gauge, field in self.gauges:
                 gauge.labels(group).set(getattr(stats, field))

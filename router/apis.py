@@ -1,98 +1,234 @@
 """Request bodies of the three API surfaces (OpenAI, Anthropic, cached contents), as pydantic models.
 
-Unknown fields are accepted and ignored, as the hosted APIs do; what kvgrid needs is validated."""
+Every field kvgrid reads is type-checked strictly (no string-to-number or number-to-string coercion, no NaN or
+infinity) and bounded, so a malformed body is answered 400 with the failing field's location, never a crash later
+on. Unknown fields are ignored, as the hosted APIs do for fields they add over time; a few common sampling fields
+the engine does not apply (penalties, ``logit_bias``, ``logprobs``) are declared only so that a malformed value
+still fails clearly. Content parts other than text (images, tool calls and results) are refused: the served model
+reads text only.
+
+String message content is normalised to a one-element list of text parts, so the gateway reads one shape."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
+
+from common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+# Each text field alone; the gateway's 4 MiB body limit bounds the whole request.
+MAX_TEXT_CHARS = 2**21
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts of one message
+MAX_NAME_CHARS = 256  # model names, cached-content names, tool and user names
+MAX_OUTPUT_TOKENS = 2**24  # far above any context; the gateway then checks the tenant's and the model's limits
+MAX_PROMPT_IDS = 2**20
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 300
+INT64 = 2**63
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+class TextPart(_Body):
+    """An OpenAI content part; only text ones are accepted."""
+
+    type: Literal["text"]
+    text: Text
+
+
+def _as_parts(value: Any) -> Any:
+    """A string content becomes one text part; anything else but a list or null is refused here, with a message
+    that names both accepted shapes (pydantic's own would name only the list)."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if value is not None and not isinstance(value, list):
+        raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
+    return value
+
+
+def _string_or_parts(schema: dict[str, Any]) -> None:
+    """Show the string shape that ``_as_parts`` accepts in the JSON schema too."""
+    string = {"type": "string", "maxLength": MAX_TEXT_CHARS}
+    if "anyOf" in schema:
+        schema["anyOf"].insert(0, string)
+    else:
+        schema["anyOf"] = [string, {k: schema.pop(k) for k in ("type", "items", "maxItems")}]
+
+
+def _content(part: type[BaseModel], optional: bool = False) -> Any:
+    """The type of a message content: a string or a list of ``part``, or null when ``optional``."""
+    parts = Annotated[list[part], Field(max_length=MAX_PARTS)]
+    return Annotated[parts | None if optional else parts, BeforeValidator(_as_parts),
+                     Field(None if optional else ..., json_schema_extra=_string_or_parts)]
+
+
+def _one_or_list(value: Any) -> Any:
+    """A single stop string is a list of one, so that errors name the list item, not a union branch."""
+    if isinstance(value, str):
+        return [value]
+    if value is not None and not isinstance(value, list):
+        raise PydanticCustomError("stop_type", "stop must be a string or a list of strings")
+    return value
+
+
+def _one_or_list_schema(schema: dict[str, Any]) -> None:
+    schema["anyOf"].insert(0, {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS})
+
+
+def _prompt_kind(value: Any) -> str | None:
+    return "text" if isinstance(value, str) else "token_ids" if isinstance(value, list) else None
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+# Tagged by the JSON type, so an error names the shape that was sent ("prompt.token_ids.3: ...").
+Prompt = Annotated[
+    Annotated[Text, Tag("text")] | Annotated[TokenIds, Tag("token_ids")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="prompt must be a string or a list of token ids"),
+]
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: _content(TextPart, optional=True)
+    name: Name | None = None
+    tool_call_id: Name | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant turn may carry only tool calls
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
 
 
 class _OpenAIRequest(_Body):
     """What chat and text completions share."""
 
-    model: str
+    model: Name
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    stop: Annotated[Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
+                    BeforeValidator(_one_or_list), Field(None, json_schema_extra=_one_or_list_schema)]
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    cached_content: str | None = None
+    stream_options: StreamOptions | None = None
+    cached_content: Name | None = None
+    # Validated only: the engine does not apply these.
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
+    user: Name | None = None
 
 
 class ChatRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    logprobs: bool | None = None  # validated only
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1)
+    """``prompt``: one string (special-token text in it is honoured: a raw prompt is the caller's own template)
+    or one list of token ids; batches of prompts are not supported."""
+
+    prompt: Prompt
+    max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=5)  # validated only
 
 
 class CacheControl(_Body):
     type: Literal["ephemeral"]
-    ttl: str | None = None
+    ttl: Annotated[str, Field(max_length=32)] | None = None
 
 
 class ContentBlock(_Body):
-    type: str
-    text: str | None = None
+    """An Anthropic content block; only text ones are accepted."""
+
+    type: Literal["text"]
+    text: Text
     cache_control: CacheControl | None = None
 
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: _content(ContentBlock)
 
 
 class AnthropicTool(_Body):
-    name: str
-    description: str | None = None
+    name: Name
+    description: Text | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
 
 
+class AnthropicMetadata(_Body):
+    user_id: Name | None = None
+
+
 class MessagesRequest(_Body):
-    model: str
-    max_tokens: int = Field(ge=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[ContentBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    model: Name
+    max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: _content(ContentBlock, optional=True)
+    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = 0
-    stop_sequences: list[str] | None = None
+    top_k: int = Field(0, ge=0, lt=2**31)
+    stop_sequences: list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
-    cached_content: str | None = None
+    cached_content: Name | None = None
+    metadata: AnthropicMetadata | None = None
+
+
+class GeminiPart(_Body):
+    """A Gemini ``Part``; only text ones are accepted."""
+
+    text: Text
+
+
+class GeminiContent(_Body):
+    role: Name | None = None
+    parts: list[GeminiPart] = Field(max_length=MAX_PARTS)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts)
 
 
 class CachedContentRequest(_Body):
-    model: str | None = None
-    contents: list[dict[str, Any]] | None = None
-    systemInstruction: dict[str, Any] | None = None  # noqa: N815 (the API's own name)
-    ttl: str | None = None
+    model: Name | None = None
+    contents: list[GeminiContent] | None = Field(None, max_length=MAX_MESSAGES)
+    systemInstruction: GeminiContent | None = None  # noqa: N815 (the API's own name)
+    ttl: Annotated[str, Field(max_length=32)] | None = None
+    displayName: Name | None = None  # noqa: N815
+
+    @property
+    def text(self) -> str:
+        """All the object's text: the system instruction, then every content."""
+        parts = [self.systemInstruction] if self.systemInstruction else []
+        return "".join(c.text for c in parts + list(self.contents or []))
 
 
 class CachedContentPatch(_Body):
-    ttl: str
-
-
-def gemini_text(parts_holder: dict[str, Any] | None) -> str:
-    """The text of a Gemini ``Content`` ({"role", "parts": [{"text"}]})."""
-    if not parts_holder:
-        return ""
-    return "".join(p.get("text", "") for p in parts_holder.get("parts", []) if isinstance(p, dict))
+    ttl: Annotated[str, Field(min_length=1, max_length=32)]

@@ -1,21 +1,25 @@
-"""One tenant's HTTP gateway (a Ray Serve deployment): OpenAI- and Anthropic-compatible APIs, cached content
-objects, Prometheus metrics. It authenticates, tokenises, applies the tenant's cache policy, asks the router
-for a worker group, streams the group's outputs back, and records usage in Redis."""
+"""The HTTP gateway (one Ray Serve deployment, at ``/``): every tenant's OpenAI- and Anthropic-compatible APIs,
+cached content objects and Prometheus metrics, under ``/{tenant}/...``. It authenticates (in memory), tokenises,
+applies the tenant's limits and cache policy, asks a router replica for a worker group, streams the group's
+outputs back, and records usage.
+
+One application serves every tenant, so nothing unauthenticated lists them (Ray Serve's ``/-/routes`` shows only
+``/`` and ``/admin``), and an unknown tenant gets exactly the 401 of a wrong key."""
 
 # No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
 
 
+import asyncio
 import json
+import logging
 import math
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis
-import xxhash
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -23,36 +27,48 @@ from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from common.config import ServeConfig, TenantConfig, parse_duration
-from common.hashing import token_bytes
 from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 from router.apis import (
-    AnthropicMessage,
     CachedContentPatch,
     CachedContentRequest,
     ChatRequest,
     CompletionRequest,
-    ContentBlock,
     MessagesRequest,
-    gemini_text,
 )
+from router.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.router import NoGroup, Overloaded
-from router.store import CachedContentStore, RateLimiter, TenantStore, UsageLedger
+from router.store import (
+    CachedContentStore,
+    EntryStore,
+    KeyRing,
+    LimitExceeded,
+    RateLimiter,
+    StoreUnavailable,
+    UsageLedger,
+    connect,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 2**20
 MAX_BREAKPOINTS = 4
 MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
-
-app = FastAPI(title="kvgrid tenant gateway")
-
-
 MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
+ROUTE_TIMEOUT_S = 3.0  # a router replica that takes longer is skipped (it routes in microseconds)...
+LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
+ROUTER_COOLDOWN_S = 10.0  # a replica that failed is tried last for this long (Ray restarts it meanwhile)
+GROUP_SILENCE_S = 120.0  # a group that sends nothing about a request for this long has failed
+ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
+STORE_RETRY_AFTER_S = 2.0
+
+app = FastAPI(title="kvgrid gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 class _GroupFailed(Exception):
-    """The worker group running a request failed (died or lost a rank)."""
+    """The worker group running a request failed (died, lost a rank, or went silent)."""
 
 
 class ApiError(Exception):
@@ -73,15 +89,6 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-@app.exception_handler(ApiError)
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return exc.response()
-
-
-def _api_of(path: str) -> str:
-    return "anthropic" if path.endswith("/messages") else "openai"
-
-
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -91,6 +98,22 @@ def _err(status: int, message: str, api: str, retry_after: float = 1.0) -> ApiEr
     if api == "openai" and status == 401:
         kind = "invalid_request_error"
     return ApiError(status, message, kind, api, retry_after)
+
+
+def _api_of(path: str) -> str:
+    return "anthropic" if path.endswith("/messages") else "openai"
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(StoreUnavailable)
+async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+    """Redis is down or slow: what needs it answers a retryable 503 at once instead of waiting."""
+    return _err(503, "the service's state store is unavailable; retry shortly", _api_of(request.url.path),
+                STORE_RETRY_AFTER_S).response()
 
 
 class _Metrics:
@@ -124,6 +147,42 @@ class _Metrics:
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
 
 
+class _Tenant:
+    """One tenant's state in this replica: its config, rate limiter, metrics and in-flight count."""
+
+    def __init__(self, config: TenantConfig, limiter: RateLimiter) -> None:
+        self.name, self.config = config.name, config
+        self.limiter = limiter
+        self.metrics = _Metrics(config.name)
+        self.inflight = 0
+
+
+class _Slot:
+    """One of a tenant's in-flight places in this replica; released exactly once."""
+
+    def __init__(self, tenant: _Tenant) -> None:
+        self.tenant, self.held = tenant, True
+        tenant.inflight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.tenant.inflight -= 1
+
+
+class _SlotStream(StreamingResponse):
+    """A streamed answer that holds its request's in-flight slot until the stream ends, however it ends."""
+
+    slot: _Slot | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.slot is not None:
+                self.slot.release()
+
+
 def _failure(exc: RayError, group: str, api: str) -> Exception:
     """What a failed output of a group means: a bad request (400), an abort (503), the group itself failing (a
     retry elsewhere), or an error of this one request (500; the group keeps serving everyone else)."""
@@ -147,9 +206,12 @@ async def _primed(run):
     first = await run.__anext__()
 
     async def rest():
-        yield first
-        async for item in run:
-            yield item
+        try:
+            yield first
+            async for item in run:
+                yield item
+        finally:  # a stream cut short stops ``run`` now, not when the collector gets to it
+            await run.aclose()
 
     return rest()
 
@@ -162,14 +224,43 @@ async def _last(run) -> tuple[RequestOutput, int]:
     return out
 
 
-def _openai_text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has disconnected (the body was read already: the next message is the
+    disconnect). Ray Serve forwards it even when the request asked Serve not to cancel on disconnect."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the connection state cannot be read: never cut a request on that
+        await asyncio.Event().wait()
 
 
-def _anthropic_blocks(m: AnthropicMessage) -> list[ContentBlock]:
-    return [ContentBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+async def _watched(request: Request, run: AsyncIterator, api: str) -> AsyncIterator:
+    """``run``'s items until the client disconnects; then ``run`` is stopped (its group request aborted) and a
+    499 raised, whatever headers the client sent."""
+    gone = asyncio.ensure_future(_client_gone(request))
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(run.__anext__())
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise _err(499, "the client closed the request", api)
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        gone.cancel()
+        if step is not None and not step.done():
+            step.cancel()  # runs ``run``'s own cleanup (abort on the group, usage) inside the step
+            await asyncio.wait({step})
+        await run.aclose()
+
+
+async def _bounded(awaitable, timeout_s: float):
+    return await asyncio.wait_for(awaitable, timeout_s)
 
 
 def _stop_reason(out: RequestOutput) -> str:
@@ -178,26 +269,45 @@ def _stop_reason(out: RequestOutput) -> str:
     return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
 
 
+def _presented_key(request: Request) -> str | None:
+    key = request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+    auth = request.headers.get("authorization", "")
+    if not key and auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+    return key
+
+
 # Serve captures this class when it is decorated: every module-level name it uses must be defined above.
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Gateway:
-    def __init__(
-        self, tenant: TenantConfig, config: ServeConfig, model_path: str, routers: list, redis_url: str
-    ) -> None:
-        self.tenant, self.config = tenant, config
+    """Every tenant's APIs in one deployment; ``config`` carries no API keys (``keys`` holds their hashes)."""
+
+    def __init__(self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list, redis_url: str) -> None:
+        self.config = config
         self.model_id = config.model_id
+        self.keys = keys
         self.tokenizer = load_tokenizer(model_path)
         mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.routers = list(routers)  # the RouterService replicas; each request stays with the one that routed it
         self._next_router = secrets.randbelow(len(self.routers))
-        self.redis = redis.Redis.from_url(redis_url)
-        self.keys = TenantStore(self.redis)
+        self._router_failed_at = [-math.inf] * len(self.routers)
+        self.redis = connect(redis_url, config.redis_timeout_s)
         self.ledger = UsageLedger(self.redis)
-        self.contents = CachedContentStore(self.redis)
-        self.limiter = RateLimiter(self.redis, tenant.limits.requests_per_s, tenant.limits.tokens_per_min)
-        self.metrics = _Metrics(tenant.name)
+        self.entries = EntryStore(self.redis)
+        self.contents = {t.name: CachedContentStore(self.redis, t.limits.max_cached_contents,
+                                                    t.limits.max_cached_content_tokens) for t in config.tenants}
+        self.tenants = {t.name: _Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
+                        for t in config.tenants}
+        self._background: set[asyncio.Task] = set()
+
+    async def __del__(self) -> None:
+        """Serve calls this when the replica stops: write the usage still buffered (Redis permitting)."""
+        try:
+            await self.ledger.close()
+        except StoreUnavailable:
+            log.warning("usage not yet written to Redis was lost at shutdown")
 
     # -- plumbing ----------------------------------------------------------------------------------------------
 
@@ -218,13 +328,43 @@ class Gateway:
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise _err(400, f"{where}: {first['msg']}", api) from None
 
-    def _auth(self, request: Request, api: str) -> None:
-        key = request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
-        auth = request.headers.get("authorization", "")
-        if not key and auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-        if not self.keys.authenticate(self.tenant.name, key):
+    def _auth(self, tenant: str, request: Request, api: str) -> _Tenant:
+        """The tenant, if the request carries one of its keys. An unknown tenant gets the very same 401 as a
+        wrong key, so tenant names cannot be probed."""
+        t = self.tenants.get(tenant)
+        ok = self.keys.authenticate(tenant, _presented_key(request))  # hashed either way: no timing difference
+        if t is None or not ok:
             raise _err(401, "invalid API key for this tenant", api)
+        return t
+
+    async def _held(self, t: _Tenant, api: str, work):
+        """Run the coroutine ``work`` in one of the tenant's in-flight places in this replica (429 when all are
+        taken); a streamed answer keeps the place until its stream ends."""
+        limit = t.config.limits.max_inflight_requests
+        if t.inflight >= limit:
+            work.close()
+            raise _err(429, f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
+                       "when one has finished", api)
+        slot = _Slot(t)
+        try:
+            result = await work
+            if isinstance(result, _SlotStream):
+                result.slot, slot = slot, None
+            return result
+        finally:
+            if slot is not None:
+                slot.release()
+
+    def _spawn(self, coro) -> None:
+        """Run a best-effort Redis write in the background (its failure is logged, never the request's)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("gateway background write failed: %s", task.exception())
 
     def _check_model(self, model: str, api: str) -> None:
         if model != self.model_id:
@@ -233,17 +373,19 @@ class Gateway:
     def _encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _chat_text(self, messages: list[dict[str, str]]) -> str:
+    def _chat(self, messages: list[dict[str, str]], api: str, generation: bool = True) -> ChatPrompt:
+        """The chat template applied to ``messages``; their texts never become special tokens (router/chat.py)."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:
-            raise _err(400, f"messages: {exc}", "openai") from None
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
+        except ChatTemplateError as exc:
+            raise _err(400, f"messages: {exc}", api) from None
 
-    def _cached_prefix(self, cid: str | None, api: str) -> tuple[list[int], float]:
+    async def _cached_prefix(self, t: _Tenant, cid: str | None, api: str) -> tuple[list[int], float]:
         """Token ids and remaining TTL of a referenced cached content object."""
         if cid is None:
             return [], 0.0
-        cc = self.contents.get(self.tenant.name, cid if cid.startswith("cachedContents/") else f"cachedContents/{cid}")
+        name = cid if cid.startswith("cachedContents/") else f"cachedContents/{cid}"
+        cc = await self.contents[t.name].get(t.name, name)
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", api)
         return cc.token_ids, max(1.0, cc.expires - time.time())
@@ -257,68 +399,98 @@ class Gateway:
         except ValueError as exc:
             raise _err(400, str(exc), api) from None
 
-    def _admit(self, prompt: list[int], max_tokens: int, api: str) -> None:
+    async def _admit(self, t: _Tenant, prompt: list[int], max_tokens: int, api: str) -> None:
         """Check the prompt's length and the tenant's limits before any work is done for it."""
         if not prompt:
             raise _err(400, "the prompt is empty", api)
         if len(prompt) >= self.max_model_len:
             raise _err(413, f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len}", api)
-        lim = self.tenant.limits
+        lim = t.config.limits
         if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
             raise _err(413, f"the prompt has {len(prompt)} tokens; this tenant may send {lim.max_prompt_tokens}",
                        api)
         if lim.tokens_per_min is not None and len(prompt) + max_tokens > lim.tokens_per_min:
             raise _err(413, f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
                        f"{lim.tokens_per_min} tokens per minute", api)
-        retry_after = self.limiter.admit(self.tenant.name, len(prompt) + max_tokens)
+        retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise _err(429, "rate limit reached for this tenant; retry later", api, retry_after)
 
-    def _reported_cached(self, num_cached: int) -> int:
+    def _reported_cached(self, t: _Tenant, num_cached: int) -> int:
         """Implicit tenants see reuse from ``min_prefix_tokens`` up; explicit tenants see all of it."""
-        c = self.tenant.cache
+        c = t.config.cache
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
+    async def _route(self, t: _Tenant, prompt: list[int], attempt: str, failed: list[str], api: str):
+        """(router replica, decision) from the next replica that routes the request. A dead, restarting or stuck
+        replica is skipped, and so is one that knows no group yet (just restarted: the supervisor hands it the
+        groups within a second). 503 when none routes it (a retry a moment later works)."""
+        n = len(self.routers)
+        self._next_router = (self._next_router + 1) % n
+        now = time.monotonic()
+        order = sorted(((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
+                       key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S)
+        no_group: str | None = None
+        for k, j in enumerate(order):
+            router = self.routers[j]
+            timeout_s = ROUTE_TIMEOUT_S if k < n - 1 else LAST_ROUTE_TIMEOUT_S
+            try:
+                return router, await _bounded(router.route.remote(t.name, prompt, attempt, failed), timeout_s)
+            except (RayActorError, asyncio.TimeoutError):
+                self._router_failed_at[j] = time.monotonic()
+                router.on_finish.remote(attempt)  # in case it did route it: its queue estimate forgets it
+            except RayError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Overloaded):
+                    raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
+                no_group = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+        if no_group is not None:
+            raise _err(503, f"no worker group available ({no_group}); retry shortly", api)
+        raise _err(503, "no router replica is available; retry shortly", api, ROUTER_RETRY_AFTER_S)
+
     async def _generate(
-        self, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int, pin_ttl_s: float, account,
-        restartable: bool = False,
+        self, t: _Tenant, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int, pin_ttl_s: float,
+        account, restartable: bool = False,
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
         """Route and run one request; yields (output, tokens the router expected cached). However it ends
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
         once, and an unfinished request is aborted on its group.
 
-        A group that fails is reported to the router (which routes nothing more to it) and the request is
-        retried on another group, as long as nothing has been yielded yet, or at any point when
-        ``restartable`` (the caller keeps only the last output)."""
+        A group that fails (or sends nothing for ``GROUP_SILENCE_S``) is reported to the routers (which route
+        nothing more to it) and the request is retried on another group, as long as nothing has been yielded
+        yet, or at any point when ``restartable`` (the caller keeps only the last output). A request the
+        engine failed alone answers 500; its group keeps serving."""
         failed: list[str] = []
-        self._next_router = (self._next_router + 1) % len(self.routers)
-        router = self.routers[self._next_router]
-        rid = f"{self.tenant.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
+        rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         while True:
             attempt = f"{rid}-{len(failed)}"
-            decision = out = None
+            router = decision = out = None
             yielded = finished = False
             try:
-                try:
-                    decision = await router.route.remote(self.tenant.name, prompt, attempt, failed)
-                except RayError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, Overloaded):
-                        raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
-                    detail = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
-                    raise _err(503, f"no worker group available ({detail}); retry shortly", api) from None
-                gen = decision.leader.generate.remote(
-                    prompt, params, self.tenant.name, attempt, pin_tokens, pin_ttl_s)
-                async for ref in gen:
+                router, decision = await self._route(t, prompt, attempt, failed, api)
+                gen = decision.leader.generate.remote(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
+                while True:
                     try:
-                        out = await ref
+                        ref = await _bounded(gen.__anext__(), GROUP_SILENCE_S)
+                        out = await _bounded(ref, GROUP_SILENCE_S)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:
+                        raise _GroupFailed(f"no output for {GROUP_SILENCE_S:.0f} s") from None
                     except RayError as exc:
                         raise _failure(exc, decision.group, api) from None
+                    if out.finish_reason == "error":
+                        finished = True  # the engine finished it already: nothing to abort
+                        out = None  # a request that failed is not billed
+                        raise ApiError(500, f"the request failed on worker group {decision.group}; the service "
+                                       "keeps serving, retry it or change its parameters", "api_error", api)
                     if not finished and len(out.token_ids) == len(out.new_token_ids):
                         router.on_prefill_done.remote(attempt)
                     finished = out.finished
                     yielded = True
                     yield out, decision.cached_tokens
+                    if finished:
+                        break
                 return
             except _GroupFailed as exc:
                 for r in self.routers:  # no replica should send more requests there
@@ -329,73 +501,99 @@ class Gateway:
                                api) from None
                 out = None  # nothing of the failed attempt is billed: the retry starts over
             finally:
-                router.on_finish.remote(attempt)  # also when the client left during routing
+                if router is not None:
+                    router.on_finish.remote(attempt)  # also when the client left during routing
                 if decision is not None and not finished:
                     decision.leader.abort.remote(attempt)
                 if out is not None:
                     account(out, decision.cached_tokens)
 
-    def _account(self, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0) -> None:
+    def _account(self, t: _Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0,
+                 read: int = 0) -> None:
         n_prompt = len(out.prompt_token_ids)
         self.ledger.record(
-            self.tenant.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
+            t.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
             output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
         )
-        self.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
+        t.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
 
-    def _account_openai(self, out: RequestOutput, predicted: int) -> None:
-        self._account(out, predicted, self._reported_cached(out.num_cached_tokens))
+    # -- documentation (``http.docs``) ------------------------------------------------------------------------
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        if not self.config.http.docs:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse(request.app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        if not self.config.http.docs:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvgrid gateway")
 
     # -- OpenAI ------------------------------------------------------------------------------------------------
 
-    @app.get("/v1/models")
-    async def models(self, request: Request):
-        self._auth(request, "openai")
+    @app.get("/{tenant}/v1/models")
+    async def models(self, tenant: str, request: Request):
+        self._auth(tenant, request, "openai")
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                             "owned_by": "kvgrid"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        self._auth(request, "openai")
+    @app.post("/{tenant}/v1/chat/completions")
+    async def chat_completions(self, tenant: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        return await self._held(t, "openai", self._chat_completions(t, request))
+
+    async def _chat_completions(self, t: _Tenant, request: Request):
         body: ChatRequest = await self._body(request, ChatRequest, "openai")
         self._check_model(body.model, "openai")
         if body.n != 1:
             raise _err(400, "n must be 1", "openai")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _openai_text(m.content)}
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                     for m in body.messages]
-        prefix, ttl = self._cached_prefix(body.cached_content, "openai")
-        prompt = prefix + self._encode_text(self._chat_text(messages))
+        prefix, ttl = await self._cached_prefix(t, body.cached_content, "openai")
+        prompt = prefix + self._chat(messages, "openai").token_ids
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        return await self._openai_respond(body, prompt, len(prefix), ttl, max_tokens, chat=True)
+        return await self._openai_respond(t, request, body, prompt, len(prefix), ttl, max_tokens, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        self._auth(request, "openai")
+    @app.post("/{tenant}/v1/completions")
+    async def completions(self, tenant: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        return await self._held(t, "openai", self._completions(t, request))
+
+    async def _completions(self, t: _Tenant, request: Request):
         body: CompletionRequest = await self._body(request, CompletionRequest, "openai")
         self._check_model(body.model, "openai")
         if body.n != 1:
             raise _err(400, "n must be 1", "openai")
-        prefix, ttl = self._cached_prefix(body.cached_content, "openai")
+        prefix, ttl = await self._cached_prefix(t, body.cached_content, "openai")
         tokens = self._encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if any(not 0 <= t < len(self.tokenizer) for t in tokens):
+        if any(not 0 <= tok < len(self.tokenizer) for tok in tokens):
             raise _err(400, "prompt: token id outside the vocabulary", "openai")
-        return await self._openai_respond(body, prefix + tokens, len(prefix), ttl, body.max_tokens, chat=False)
+        return await self._openai_respond(t, request, body, prefix + tokens, len(prefix), ttl, body.max_tokens,
+                                          chat=False)
 
-    async def _openai_respond(self, body, prompt: list[int], pin: int, ttl: float, max_tokens: int, chat: bool):
+    async def _openai_respond(self, t: _Tenant, request: Request, body, prompt: list[int], pin: int, ttl: float,
+                              max_tokens: int, chat: bool):
         """Run a chat or text completion and answer it, streamed or whole."""
-        self._admit(prompt, max_tokens, "openai")
+        await self._admit(t, prompt, max_tokens, "openai")
         params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
-        run = self._generate(prompt, params, "openai", pin, ttl or 300.0, self._account_openai, not body.stream)
+
+        def account(out: RequestOutput, predicted: int) -> None:
+            self._account(t, out, predicted, self._reported_cached(t, out.num_cached_tokens))
+
+        run = self._generate(t, prompt, params, "openai", pin, ttl or 300.0, account, not body.stream)
+        run = _watched(request, run, "openai")
         rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
         if body.stream:
-            usage_wanted = bool((body.stream_options or {}).get("include_usage"))
+            usage_wanted = body.stream_options is not None and body.stream_options.include_usage
             run = await _primed(run)  # errors before the first token still get their HTTP status
             obj = "chat.completion.chunk" if chat else "text_completion"
-            return StreamingResponse(
-                self._openai_stream(run, rid, created, obj, usage_wanted, chat), media_type="text/event-stream"
+            return _SlotStream(
+                self._openai_stream(t, run, rid, created, obj, usage_wanted, chat), media_type="text/event-stream"
             )
         out, _ = await _last(run)
-        cached = self._reported_cached(out.num_cached_tokens)
+        cached = self._reported_cached(t, out.num_cached_tokens)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": out.finish_reason, "logprobs": None}
@@ -411,7 +609,8 @@ class Gateway:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _openai_stream(self, run, rid: str, created: int, obj: str, usage_wanted: bool, chat: bool):
+    async def _openai_stream(self, t: _Tenant, run, rid: str, created: int, obj: str, usage_wanted: bool,
+                             chat: bool):
         def chunk(choice: dict | None, usage: dict | None = None) -> str:
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id,
                        "choices": [choice] if choice else []}
@@ -430,24 +629,26 @@ class Gateway:
                               {"index": 0, "text": out.delta_text, "finish_reason": out.finish_reason})
                     yield chunk(choice)
             if out is not None and usage_wanted:
-                yield chunk(None, self._openai_usage(out, self._reported_cached(out.num_cached_tokens)))
+                yield chunk(None, self._openai_usage(out, self._reported_cached(t, out.num_cached_tokens)))
         except ApiError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
         yield "data: [DONE]\n\n"
 
     # -- Anthropic ---------------------------------------------------------------------------------------------
 
-    @app.post("/v1/messages")
-    async def messages(self, request: Request):
-        self._auth(request, "anthropic")
+    @app.post("/{tenant}/v1/messages")
+    async def messages(self, tenant: str, request: Request):
+        t = self._auth(tenant, request, "anthropic")
+        return await self._held(t, "anthropic", self._messages(t, request))
+
+    async def _messages(self, t: _Tenant, request: Request):
         body: MessagesRequest = await self._body(request, MessagesRequest, "anthropic")
         self._check_model(body.model, "anthropic")
-        prefix, cc_ttl = self._cached_prefix(body.cached_content, "anthropic")
-        text, marks = self._anthropic_prompt(body)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        prompt = prefix + ids
-        self._admit(prompt, body.max_tokens, "anthropic")
+        prefix, cc_ttl = await self._cached_prefix(t, body.cached_content, "anthropic")
+        chat, marks = self._anthropic_prompt(t, body)
+        offsets = chat.offsets
+        prompt = prefix + chat.token_ids
+        await self._admit(t, prompt, body.max_tokens, "anthropic")
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
         bs = self.config.block_size
         ttl_at: dict[int, float] = {}
@@ -456,64 +657,50 @@ class Gateway:
             if pos > 0:
                 ttl_at[pos] = max(ttl, ttl_at.get(pos, 0.0))
         pin_tokens = max(ttl_at, default=len(prefix))
-        pin_ttl = max(ttl_at.values(), default=cc_ttl or self.tenant.cache.default_ttl)
-        entries = {pos: self._entry_key(prompt[:pos]) for pos in ttl_at}
-        # Read: the longest marked prefix whose entry lives (cached content is pinned already); the rest is
-        # written now.
-        read = len(prefix) // bs * bs
-        for pos in sorted(entries, reverse=True):
-            if pos > read and self.redis.exists(entries[pos]):
-                read = pos
+        pin_ttl = max(ttl_at.values(), default=cc_ttl or t.config.cache.default_ttl)
+        entries = {pos: self.entries.entry_key(t.name, prompt[:pos]) for pos in ttl_at}
+        # What the entries claim is read: the longest marked prefix whose entry lives (cached content is pinned
+        # already). The usage caps it by what the group actually reused; the rest of the marked prefix is a write.
+        claim_read = len(prefix) // bs * bs
+        alive = await asyncio.gather(*(self.entries.ttl_left(t.name, key) for key in entries.values()))
+        for pos, left in sorted(zip(entries, alive), reverse=True):
+            if pos > claim_read and left is not None:
+                claim_read = pos
                 break
-        write = max(0, pin_tokens - read) if entries else 0
+        claim_write = max(0, pin_tokens - claim_read) if entries else 0
         params = self._params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None,
                               "anthropic", body.top_k)
 
         def account(out: RequestOutput, predicted: int) -> None:
-            usage = self._anthropic_usage(out, write, read)
+            usage = self._anthropic_usage(t, out, claim_write, claim_read)
             r, w = usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
-            self._account(out, predicted, r, w, r)
+            self._account(t, out, predicted, r, w, r)
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
-                    self._keep_entry(key, ttl_at[pos])
+                    self._spawn(self.entries.keep(t.name, key, ttl_at[pos]))
 
-        run = self._generate(prompt, params, "anthropic", pin_tokens, pin_ttl, account, not body.stream)
+        run = self._generate(t, prompt, params, "anthropic", pin_tokens, pin_ttl, account, not body.stream)
+        run = _watched(request, run, "anthropic")
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await _primed(run)
-            return StreamingResponse(self._anthropic_stream(run, mid, write, read), media_type="text/event-stream")
+            return _SlotStream(self._anthropic_stream(t, run, mid, claim_write, claim_read),
+                               media_type="text/event-stream")
         out, _ = await _last(run)
         return {
             "id": mid, "type": "message", "role": "assistant", "model": self.model_id,
             "content": [{"type": "text", "text": out.text}], "stop_reason": _stop_reason(out),
             "stop_sequence": out.stop_reason if isinstance(out.stop_reason, str) else None,
-            "usage": self._anthropic_usage(out, write, read),
+            "usage": self._anthropic_usage(t, out, claim_write, claim_read),
         }
 
-    def _entry_key(self, tokens: list[int]) -> str:
-        return f"kvgrid:pin:{self.tenant.name}:{xxhash.xxh3_128_hexdigest(token_bytes(tokens))}"
-
-    def _keep_entry(self, key: str, ttl_s: float) -> None:
-        """Create or refresh an explicit entry; a shorter TTL never cuts a longer one."""
-        ms = int(ttl_s * 1000)
-        if self.redis.pttl(key) < ms:
-            self.redis.set(key, 1, px=ms)
-
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        if not messages:
-            return ""
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-        except TemplateError as exc:
-            raise _err(400, f"messages: {exc}", "anthropic") from None
-
-    def _anthropic_prompt(self, body: MessagesRequest) -> tuple[str, list[tuple[int, float]]]:
-        """The chat text, and (character end, TTL) of each ``cache_control`` breakpoint in it."""
+    def _anthropic_prompt(self, t: _Tenant, body: MessagesRequest) -> tuple[ChatPrompt, list[tuple[int, float]]]:
+        """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint."""
         marked: list[tuple[int, str, float]] = []  # (message index, text, ttl)
 
         def ttl(cc) -> float:
             try:
-                seconds = parse_duration(cc.ttl) if cc.ttl else self.tenant.cache.default_ttl
+                seconds = parse_duration(cc.ttl) if cc.ttl else t.config.cache.default_ttl
             except ValueError as exc:
                 raise _err(400, f"cache_control.ttl: {exc}", "anthropic") from None
             if not 1.0 <= seconds <= MAX_PIN_TTL_S:
@@ -526,24 +713,24 @@ class Gateway:
             system_parts.append(spec)
             if tool.cache_control:
                 marked.append((0, spec, ttl(tool.cache_control)))
-        blocks = [ContentBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system or []
-        for b in blocks:
+        for b in body.system or []:
             system_parts.append(b.text or "")
             if b.cache_control:
                 marked.append((0, b.text or "", ttl(b.cache_control)))
         messages = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
         for m in body.messages:
-            parts = _anthropic_blocks(m)
+            parts = m.content
             idx = len(messages)
             messages.append({"role": m.role, "content": "".join(b.text or "" for b in parts)})
             marked.extend((idx, b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
         if len(marked) > MAX_BREAKPOINTS:
             raise _err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", "anthropic")
-        text = self._chat_text(messages)
+        chat = self._chat(messages, "anthropic")
+        text = chat.text
         marks, pos = [], 0
         for idx, piece, seconds in marked:
-            # Search from where the block's own message starts, so equal text earlier cannot match.
-            start = max(pos, len(self._render(messages[:idx])))
+            # Search from where the block's own message content starts, so equal text earlier cannot match.
+            start = max(pos, (chat.content_spans[idx] or (0, 0))[0])
             at = text.find(piece, start)
             if at < 0:
                 piece = piece.strip()  # templates that trim content
@@ -552,19 +739,23 @@ class Gateway:
                 raise _err(400, "a cache_control block could not be located in the prompt", "anthropic")
             pos = at + len(piece)
             marks.append((pos, seconds))
-        return text, marks
+        return chat, marks
 
-    def _anthropic_usage(self, out: RequestOutput, write: int, read: int) -> dict[str, int]:
+    def _anthropic_usage(self, t: _Tenant, out: RequestOutput, claim_write: int, claim_read: int) -> dict[str, int]:
+        """Usage as the group saw it: a read is at most what the group actually reused (an entry that outlived
+        its blocks, e.g. after a group restart, reads nothing); what of the marked prefix was not read is a
+        write, as far as the group could pin it."""
         n_prompt = len(out.prompt_token_ids)
-        if not write and not read:  # no breakpoint: implicit reuse, reported per the tenant's policy
-            read = self._reported_cached(out.num_cached_tokens)
+        if not claim_write and not claim_read:  # no breakpoint: implicit reuse, reported per the tenant's policy
+            read, write = self._reported_cached(t, out.num_cached_tokens), 0
         else:
-            write = min(write, max(0, out.num_pinned_tokens - read))  # what the group could pin
+            read = min(claim_read, out.num_cached_tokens)
+            write = min(claim_read + claim_write - read, max(0, out.num_pinned_tokens - read))
             read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
         return {"input_tokens": n_prompt - write - read, "cache_creation_input_tokens": write,
                 "cache_read_input_tokens": read, "output_tokens": len(out.token_ids)}
 
-    async def _anthropic_stream(self, run, mid: str, write: int, read: int):
+    async def _anthropic_stream(self, t: _Tenant, run, mid: str, claim_write: int, claim_read: int):
         def event(kind: str, data: dict) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
@@ -572,9 +763,8 @@ class Gateway:
             first = True
             out = None
             async for out, _ in run:
-                if first:
-                    start_usage = {"input_tokens": len(out.prompt_token_ids) - write - read, "output_tokens": 0,
-                                   "cache_creation_input_tokens": write, "cache_read_input_tokens": read}
+                if first:  # the group has prefilled: its reuse is known
+                    start_usage = {**self._anthropic_usage(t, out, claim_write, claim_read), "output_tokens": 0}
                     yield event("message_start", {"message": {
                         "id": mid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
                         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
@@ -587,82 +777,107 @@ class Gateway:
                 stop_seq = out.stop_reason if isinstance(out.stop_reason, str) else None
                 yield event("content_block_stop", {"index": 0})
                 yield event("message_delta", {"delta": {"stop_reason": _stop_reason(out), "stop_sequence": stop_seq},
-                                              "usage": self._anthropic_usage(out, write, read)})
+                                              "usage": self._anthropic_usage(t, out, claim_write, claim_read)})
                 yield event("message_stop", {})
         except ApiError as exc:
             yield event("error", {"error": {"type": exc.kind, "message": exc.message}})
 
     # -- cached content ----------------------------------------------------------------------------------------
 
-    @app.post("/v1/cachedContents")
-    async def create_cached_content(self, request: Request):
-        self._auth(request, "openai")
+    async def _pin_content(self, t: _Tenant, tokens: list[int], ttl: float) -> None:
+        """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
+        tokens, what was reused (a read) and what was computed and pinned (a write)."""
+        out, predicted = await _last(self._generate(
+            t, tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl, _no_account, True))
+        read = min(out.num_cached_tokens, len(tokens))
+        self.ledger.record(t.name, requests=1, prompt_tokens=len(tokens), cached_tokens=read,
+                           output_tokens=len(out.token_ids), cache_read_tokens=read,
+                           cache_write_tokens=len(tokens) - read)
+        t.metrics.record(len(tokens), read, len(out.token_ids), predicted, out.num_cached_tokens)
+
+    @app.post("/{tenant}/v1/cachedContents")
+    async def create_cached_content(self, tenant: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        return await self._held(t, "openai", self._create_cached_content(t, request))
+
+    async def _create_cached_content(self, t: _Tenant, request: Request):
         body: CachedContentRequest = await self._body(request, CachedContentRequest, "openai")
         if body.model is not None:
             self._check_model(body.model.removeprefix("models/"), "openai")
-        text = gemini_text(body.systemInstruction) + "".join(gemini_text(c) for c in body.contents or [])
+        text = body.text
         if not text:
             raise _err(400, "contents: a cached content needs some text", "openai")
-        ttl = self._ttl(body.ttl)
-        tokens = self._encode_text(self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": text}], add_generation_prompt=False, tokenize=False))
-        self._admit(tokens, 1, "openai")
-        limit = self.tenant.cache.max_pinned_tokens
+        ttl = self._ttl(t, body.ttl)
+        tokens = self._chat([{"role": "system", "content": text}], "openai", generation=False).token_ids
+        await self._admit(t, tokens, 1, "openai")
+        limit = t.config.cache.max_pinned_tokens
         if limit is not None and len(tokens) > limit:
             raise _err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", "openai")
-        # Compute and pin it now, so the first use is already a read.
-        await _last(self._generate(tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl,
-                                   _no_account, True))
-        cc = self.contents.create(self.tenant.name, {"text": text}, tokens, ttl)
-        self.ledger.record(self.tenant.name, cache_write_tokens=len(tokens))
+        store = self.contents[t.name]
+        try:  # stored first: the tenant's limits refuse it before any compute is spent
+            cc = await store.create(t.name, {"text": text}, tokens, ttl)
+        except LimitExceeded as exc:
+            raise _err(429, str(exc), "openai", 60.0) from None
+        try:
+            await self._pin_content(t, tokens, ttl)  # computed and pinned now, so the first use is a read
+        except BaseException:
+            self._spawn(store.delete(t.name, cc.id))
+            raise
         return cc.public()
 
-    def _ttl(self, ttl: str | None) -> float:
+    def _ttl(self, t: _Tenant, ttl: str | None) -> float:
         try:
-            seconds = parse_duration(ttl) if ttl else self.tenant.cache.default_ttl
+            seconds = parse_duration(ttl) if ttl else t.config.cache.default_ttl
         except ValueError as exc:
             raise _err(400, f"ttl: {exc}", "openai") from None
         if not 1.0 <= seconds <= MAX_CACHED_CONTENT_TTL_S:
             raise _err(400, f"ttl must be between 1s and {MAX_CACHED_CONTENT_TTL_S:.0f}s", "openai")
         return seconds
 
-    @app.get("/v1/cachedContents")
-    async def list_cached_contents(self, request: Request):
-        self._auth(request, "openai")
-        return {"cachedContents": [c.public() for c in self.contents.list(self.tenant.name)]}
+    @app.get("/{tenant}/v1/cachedContents")
+    async def list_cached_contents(self, tenant: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        return {"cachedContents": [c.public() for c in await self.contents[t.name].list(t.name)]}
 
-    @app.get("/v1/cachedContents/{cid}")
-    async def get_cached_content(self, cid: str, request: Request):
-        self._auth(request, "openai")
-        cc = self.contents.get(self.tenant.name, f"cachedContents/{cid}")
+    @app.get("/{tenant}/v1/cachedContents/{cid}")
+    async def get_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        cc = await self.contents[t.name].get(t.name, f"cachedContents/{cid}")
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         return cc.public()
 
-    @app.patch("/v1/cachedContents/{cid}")
-    async def patch_cached_content(self, cid: str, request: Request):
-        self._auth(request, "openai")
+    @app.patch("/{tenant}/v1/cachedContents/{cid}")
+    async def patch_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        return await self._held(t, "openai", self._patch_cached_content(t, cid, request))
+
+    async def _patch_cached_content(self, t: _Tenant, cid: str, request: Request):
         body: CachedContentPatch = await self._body(request, CachedContentPatch, "openai")
-        ttl = self._ttl(body.ttl)
-        cc = self.contents.set_ttl(self.tenant.name, f"cachedContents/{cid}", ttl)
+        ttl = self._ttl(t, body.ttl)
+        store = self.contents[t.name]
+        cc = await store.get(t.name, f"cachedContents/{cid}")
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", "openai")
-        await _last(self._generate(cc.token_ids, SamplingParams(max_tokens=1, temperature=0.0), "openai",
-                                   len(cc.token_ids), ttl, _no_account, True))  # re-pin for the new lifetime
+        await self._admit(t, cc.token_ids, 1, "openai")  # a re-pin costs what computing the content costs
+        await self._pin_content(t, cc.token_ids, ttl)  # pinned for the new lifetime before it is promised
+        cc = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
+        if cc is None:  # deleted meanwhile
+            raise _err(404, f"cached content {cid!r} not found", "openai")
         return cc.public()
 
-    @app.delete("/v1/cachedContents/{cid}")
-    async def delete_cached_content(self, cid: str, request: Request):
-        self._auth(request, "openai")
-        if not self.contents.delete(self.tenant.name, f"cachedContents/{cid}"):
+    @app.delete("/{tenant}/v1/cachedContents/{cid}")
+    async def delete_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self._auth(tenant, request, "openai")
+        if not await self.contents[t.name].delete(t.name, f"cachedContents/{cid}"):
             raise _err(404, f"cached content {cid!r} not found", "openai")
         return {}
 
     # -- metrics -----------------------------------------------------------------------------------------------
 
-    @app.get("/metrics")
-    async def metrics(self, request: Request):
+    @app.get("/{tenant}/metrics")
+    async def metrics(self, tenant: str, request: Request):
         """This tenant's own counters only: worker-group load moves with every tenant's traffic, so it is on the
         admin API (``/admin/v1/metrics``), never here."""
-        self._auth(request, "openai")
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        t = self._auth(tenant, request, "openai")
+        return Response(generate_latest(t.metrics.registry), media_type=CONTENT_TYPE_LATEST)

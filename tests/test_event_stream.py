@@ -22,6 +22,7 @@ def test_events_round_trip_in_order(redis_client):
     sent = [BlockStored([k(1), k(2)], None), BlockStored([k(3)], k(2)), BlockRemoved([k(1)]), AllCleared()]
     for e in sent:
         sink.publish(e)
+    assert sink.flush(10)  # publishing only buffers; a thread writes to Redis
     assert sub.poll() == [("g0", AllCleared())] + [("g0", e) for e in sent]
     assert sub.poll() == []
 
@@ -29,12 +30,12 @@ def test_events_round_trip_in_order(redis_client):
 def test_engine_events_feed_two_router_replicas_and_a_late_one(redis_client, demo_path):
     from worker.engine import Engine, EngineConfig
 
-    engine = Engine(
-        EngineConfig(model=str(demo_path), device="cpu", secret=SECRET), event_sink=RedisStreamSink(redis_client, "g0")
-    )
+    sink = RedisStreamSink(redis_client, "g0")
+    engine = Engine(EngineConfig(model=str(demo_path), device="cpu", secret=SECRET), event_sink=sink)
     a, b = (Router(["g0", "g1"], SECRET, events=RedisStreamSubscription(redis_client, ["g0", "g1"])) for _ in "ab")
     prompt = list(range(100, 164))
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), tenant="acme")
+    assert sink.flush(10)
     a.poll_events()
     b.poll_events()
     keys = a.keys_for("acme", prompt)
@@ -48,6 +49,7 @@ def test_a_reader_that_missed_trimmed_history_resyncs_from_a_snapshot(redis_clie
     sink = RedisStreamSink(redis_client, "g0")
     for i in range(50):
         sink.publish(BlockStored([k(i)], None))
+    assert sink.flush(10)
     redis_client.xtrim(stream_name("g0"), maxlen=10, approximate=False)  # the first 41 entries are gone
     snapshot = [AllCleared(), BlockStored([k(i) for i in range(50)], None)]
     sub = RedisStreamSubscription(redis_client, ["g0"], resync=lambda g: snapshot)
@@ -58,10 +60,13 @@ def test_a_reader_that_missed_trimmed_history_resyncs_from_a_snapshot(redis_clie
 
 def test_a_restarted_group_clears_what_readers_knew(redis_client):
     router = Router(["g0"], SECRET, events=RedisStreamSubscription(redis_client, ["g0"]))
-    RedisStreamSink(redis_client, "g0").publish(BlockStored([k(1)], None))
+    sink = RedisStreamSink(redis_client, "g0")
+    sink.publish(BlockStored([k(1)], None))
+    assert sink.flush(10)
     router.poll_events()
     assert router.index.holders(k(1))
-    RedisStreamSink(redis_client, "g0")  # the group restarts: a new history begins with AllCleared
+    sink.close()
+    assert RedisStreamSink(redis_client, "g0").flush(10)  # the group restarts: a new history begins with AllCleared
     router.poll_events()
     assert router.index.holders(k(1)) == 0
 

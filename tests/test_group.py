@@ -167,3 +167,43 @@ def test_router_replica_follows_the_redis_event_stream_and_resyncs_after_a_trim(
     finally:
         g.shutdown()
         server.shutdown()
+
+
+def test_a_group_outlives_the_actor_that_started_it_and_is_adopted_by_name(ray_local, demo_path):
+    """Ranks and placement group are detached: a supervisor that dies leaves its groups serving, and the
+    restarted one finds them by name without starting anything."""
+    from ray.exceptions import RayActorError
+
+    from worker.group import GroupConfig, WorkerGroup
+
+    cfg = GroupConfig("g-adopt", EngineConfig(model=str(demo_path), device="cpu", secret=b"s", kv_cache_bytes=2**25),
+                      tp=2)
+
+    @ray_local.remote(num_cpus=0)
+    class Owner:
+        def start(self) -> list[int]:
+            self.group = WorkerGroup(cfg)
+            return [info["pid"] for info in ray_local.get([r.info.remote() for r in self.group.ranks])]
+
+    owner = Owner.remote()
+    pids = ray_local.get(owner.start.remote())
+    ray_local.kill(owner)
+    with pytest.raises(RayActorError):
+        ray_local.get(owner.start.remote())
+    group = WorkerGroup.adopt(cfg)
+    assert group is not None
+    try:
+        assert [info["pid"] for info in ray_local.get([r.info.remote() for r in group.ranks])] == pids
+        assert group.health() is None
+        prompt = list(range(500, 540))
+        expected = Engine(EngineConfig(model=str(demo_path), device="cpu")).generate([prompt], GREEDY)[0].token_ids
+        assert group.generate(prompt, GREEDY).token_ids == expected  # both ranks still compute together
+        ray_local.kill(group.ranks[1])
+        deadline = time.monotonic() + 30
+        while (reason := group.health()) is None:  # adopted: a follower's death is seen by its name
+            assert time.monotonic() < deadline, "the dead follower was not noticed"
+            time.sleep(0.2)
+        assert "rank 1" in reason
+    finally:
+        group.shutdown()
+    assert WorkerGroup.adopt(cfg) is None

@@ -20,7 +20,9 @@ def init_tensor_parallel(rank: int, world: int, init_method: str, backend: str, 
     global _plan_group
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    _plan_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    # Followers wait for the next plan as long as the group is idle: that wait must not time out (a stuck
+    # step is rank 0's step timeout's business; a dead rank 0 closes the connection).
+    _plan_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
 
 def send_plan(plan: object) -> None:

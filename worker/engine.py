@@ -10,6 +10,7 @@ returns one ``RequestOutput`` per request that advanced, with the step's new tok
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
@@ -26,11 +27,33 @@ from common.sampling import SamplingParams
 from worker.attention import get_backend
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.model_runner import ModelRunner
-from worker.sampler import Sampler
+from worker.sampler import SampleResult, Sampler
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence, SequenceStatus
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAX_ERROR_CHARS = 500
+_log = logging.getLogger("kvgrid.engine")
+
+
+def _stable_len(text: str) -> int:
+    """Length of ``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD), which the next
+    token may still complete into something else."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    return n
+
+
+def _partial_stop(text: str, end: int, stop: str) -> int:
+    """The length of the longest proper prefix of ``stop`` that ``text[:end]`` ends with (0 if none)."""
+    begin = max(0, end - len(stop) + 1)
+    i = text.find(stop[0], begin, end)
+    while i >= 0:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
 
 
 @dataclass
@@ -38,7 +61,8 @@ class EngineConfig:
     """Engine settings. ``model`` is an HF folder or ``"demo"``. The KV cache holds ``num_blocks`` blocks if
     given, else as many as fit in ``kv_cache_bytes`` (CPU) or in ``gpu_memory_utilization`` of the GPU memory
     left after loading weights (CUDA). ``secret`` salts every tenant's root key: router and workers must share
-    it (default: ``$KVGRID_SECRET``, else a random one per engine)."""
+    it (default: ``$KVGRID_SECRET``, else a random one per engine). ``step_timeout_s``: in a worker group, a
+    step that runs longer (a hung collective, a stopped rank) fails the group."""
 
     model: str = "demo"
     block_size: int = 16
@@ -60,6 +84,7 @@ class EngineConfig:
     # Weights of the tenants' shares of the cache: eviction takes from the tenant holding the most for its weight,
     # and a listed tenant without a pin limit may pin its weighted part of ``max_pinned_fraction``.
     tenant_shares: dict[str, float] = field(default_factory=dict)
+    step_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -72,6 +97,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
 
 
 @dataclass
@@ -236,11 +263,39 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for seq, res in zip(done, results):
-            self._append(seq, res.token_id, res.logprob, res.top, now)
-            outputs.append(self._output(seq))
+            outputs.append(self._fail(seq, res) if isinstance(res, Exception) else self._advance(seq, res, now))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
         return outputs
+
+    def _advance(self, seq: Sequence, res: SampleResult, now: float) -> RequestOutput:
+        try:
+            self._append(seq, res.token_id, res.logprob, res.top, now)
+            return self._output(seq)
+        except Exception as exc:  # detokenizing or stop checking this one request failed
+            return self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Finish one request whose sampling, detokenizing or stop check raised; the rest of the batch carries on."""
+        seq.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+        _log.warning("request %s failed in the step: %s", seq.request_id, seq.error, exc_info=exc)
+        self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"  # also when the failure came after a stop condition had finished it
+        return RequestOutput(
+            request_id=seq.request_id,
+            tenant=seq.tenant,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.text[: seq.num_emitted_chars],
+            new_token_ids=[],
+            delta_text="",
+            finished=True,
+            finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens,
+            num_pinned_tokens=seq.num_pinned_blocks * self.config.block_size,
+            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            error=seq.error,
+        )
 
     def _pin(self, seq: Sequence, now: float) -> None:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
@@ -296,11 +351,14 @@ class Engine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        for s in p.stop:
-            cut = seq.text.find(s)
-            if cut >= 0:
-                seq.text, reason, seq.stop_reason = seq.text[:cut], "stop", s
+        seq.text = text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if p.stop:
+            # Only text after what earlier steps searched can hold a new match, give or take a stop's length.
+            start = max(0, seq.num_stop_checked_chars - max(map(len, p.stop)) + 1)
+            found = min(((i, s) for s in p.stop if (i := text.find(s, start)) >= 0), default=None)
+            if found is not None:
+                seq.text, reason, seq.stop_reason = text[: found[0]], "stop", found[1]
+            seq.num_stop_checked_chars = _stable_len(text)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
@@ -310,12 +368,8 @@ class Engine:
             final = len(text)
         else:
             # Hold back an incomplete UTF-8 character and anything that may still turn into a stop string.
-            final = len(text.rstrip("\ufffd"))
-            for s in seq.params.stop:
-                for k in range(min(len(s) - 1, final), 0, -1):
-                    if text[:final].endswith(s[:k]):
-                        final -= k
-                        break
+            final = _stable_len(text)
+            final -= max((_partial_stop(text, final, s) for s in seq.params.stop), default=0)
         final = max(final, seq.num_emitted_chars)
         delta, seq.num_emitted_chars = text[seq.num_emitted_chars : final], final
         new, seq.num_emitted_tokens = seq.output_token_ids[seq.num_emitted_tokens :], seq.num_output_tokens

@@ -10,8 +10,10 @@ requests with ``GroupUnhealthyError``, and ``restart()`` brings it back as a who
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +21,12 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.events import AllCleared, BlockStored, EventLog, KVEvent
@@ -34,6 +41,11 @@ class RequestAborted(RuntimeError):
 
 class GroupUnhealthyError(RuntimeError):
     """The group lost a rank (or its leader failed); its requests fail and it must be restarted."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this one request (sampling, detokenizing or stop checking it raised); the group and
+    every other request keep running."""
 
 
 @dataclass
@@ -58,6 +70,8 @@ class RankActor:
         self._lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
+        self.step_timeout_s = 60.0
+        self._step_started: float | None = None  # monotonic time the running step began
 
     def address(self) -> str:
         """A free TCP address on this node for the group's rendezvous (asked of rank 0 only)."""
@@ -74,13 +88,13 @@ class RankActor:
         if self.world > 1:
             init_tensor_parallel(self.rank, self.world, init_method, backend)
         if self.rank == 0:
+            self.step_timeout_s = config.step_timeout_s
             sink = self.events
             if stream_url:
-                import redis
+                from common.event_stream import RedisStreamSink, TeeSink, stream_client
 
-                from common.event_stream import RedisStreamSink, TeeSink
-
-                sink = TeeSink(self.events, RedisStreamSink(redis.Redis.from_url(stream_url), group))
+                # Buffered and written by a thread: a step never waits on Redis, and setup needs no Redis.
+                sink = TeeSink(self.events, RedisStreamSink(stream_client(stream_url), group, snapshot=self._keys))
             self.engine = Engine(config, event_sink=sink)
             runner = self.engine.runner
         else:
@@ -88,9 +102,10 @@ class RankActor:
         kv = runner.kv_cache
         return {"rank": self.rank, "kv_shape": list(kv.shape), "kv_bytes": kv.numel() * kv.element_size()}
 
-    def follow(self) -> None:
-        """Ranks > 0: compute every plan rank 0 broadcasts, until it says stop (or the group breaks)."""
-        self.runner.follow()
+    async def follow(self) -> None:
+        """Ranks > 0: compute every plan rank 0 broadcasts, until it says stop (or the group breaks). In a
+        thread, so the rank still answers ``info`` and ``health`` meanwhile."""
+        await asyncio.to_thread(self.runner.follow)
 
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
@@ -127,6 +142,8 @@ class RankActor:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(f"request {rid} failed: {item.error}")
                 yield item
         finally:
             self._queues.pop(rid, None)
@@ -134,8 +151,19 @@ class RankActor:
                 await self._locked(self.engine.abort, rid)
 
     def _call_locked(self, fn, *args):
-        with self._lock:
+        # A step stuck in a collective holds the lock for good: once the group is failed, waiters give up.
+        while not self._lock.acquire(timeout=0.5):
+            if self.error is not None:
+                raise GroupUnhealthyError(self.error)
+        try:
             return fn(*args)
+        finally:
+            self._lock.release()
+
+    def _keys(self) -> list[bytes]:
+        """Every key the pool holds, read under the engine lock (the event writer's snapshot, from its thread)."""
+        assert self.engine is not None
+        return self._call_locked(lambda: list(self.engine.kv.pool.key_to_block))
 
     async def _locked(self, fn, *args):
         """Run ``fn`` under the engine lock from a worker thread: the event loop never waits on a step (so
@@ -149,11 +177,20 @@ class RankActor:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._step_started = time.monotonic()
+            step = asyncio.ensure_future(self._locked(self.engine.step))
             try:
-                outs = await self._locked(self.engine.step)
-            except Exception as exc:  # a collective failed: a peer rank is gone
+                # shield: on timeout the step's thread cannot be stopped, only given up on
+                outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
+            except asyncio.TimeoutError:
+                self.mark_unhealthy(self._stuck_reason())
+                step.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late error is expected
+                return
+            except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
                 self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
                 return
+            finally:
+                self._step_started = None
             for out in outs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
@@ -190,8 +227,15 @@ class RankActor:
         return events, end
 
     def health(self) -> str | None:
-        """None when healthy, else the reason the group failed."""
+        """None when healthy, else the reason the group failed; a step running longer than ``step_timeout_s``
+        (a hung collective, a stopped peer) fails the group."""
+        started = self._step_started
+        if self.error is None and started is not None and time.monotonic() - started > self.step_timeout_s:
+            self.mark_unhealthy(self._stuck_reason())
         return self.error
+
+    def _stuck_reason(self) -> str:
+        return f"rank 0: a step has not finished within step_timeout_s={self.step_timeout_s:g}s"
 
     def info(self) -> dict:
         """Where this rank runs (for operators and tests)."""
@@ -216,13 +260,57 @@ class RankActor:
 class WorkerGroup:
     """Driver-side handle of one group (what the router holds)."""
 
-    def __init__(self, config: GroupConfig) -> None:
+    CALL_TIMEOUT_S = 30.0  # a call into the leader that takes longer means the group is stuck
+
+    def __init__(self, config: GroupConfig, start: bool = True) -> None:
         self.config = config
         self.ranks: list = []
         self.rank_info: list[dict] = []
         self._pg = None
         self._follows: list = []
-        self.start()
+        if start:
+            self.start()
+
+    @classmethod
+    def adopt(cls, config: GroupConfig) -> WorkerGroup | None:
+        """A handle on the group ``config.name`` that a previous owner started (its ranks and placement group
+        are detached and named, so they outlive that owner): found by name, nothing is started. None when its
+        placement group is gone. A rank that is gone shows in ``health()``, and ``restart()`` replaces them all."""
+        try:
+            pg = get_placement_group(pg_name(config.name))
+        except ValueError:
+            return None
+        if placement_group_table(pg).get("state") == "REMOVED":
+            return None
+        group = cls(config, start=False)
+        group._pg = pg
+        for r in range(config.tp):
+            try:
+                group.ranks.append(ray.get_actor(rank_name(config.name, r)))
+            except ValueError:  # not started yet, or dead: the group is incomplete
+                break
+        return group
+
+    @staticmethod
+    def remove_all() -> list[str]:
+        """Kill every kvgrid rank actor and remove every kvgrid placement group of this Ray namespace, whoever
+        started them (they are detached: nothing else frees them). Returns what was removed."""
+        removed = []
+        for name in ray.util.list_named_actors():
+            if _RANK_NAME.fullmatch(name):
+                try:
+                    ray.kill(ray.get_actor(name), no_restart=True)
+                    removed.append(name)
+                except ValueError:  # it died meanwhile
+                    pass
+        names = {info.get("name", "") for info in placement_group_table().values() if info.get("state") != "REMOVED"}
+        for name in sorted(n for n in names if n.startswith("kvgrid-")):
+            try:
+                remove_placement_group(get_placement_group(name))  # only this namespace's
+                removed.append(name)
+            except ValueError:  # another namespace's, or removed meanwhile
+                pass
+        return removed
 
     @property
     def name(self) -> str:
@@ -245,9 +333,11 @@ class WorkerGroup:
         accel = cfg.accelerator or ("GPU" if cfg.use_gpu else None)
         per_rank = {"CPU": 1, accel: 1} if accel else {"CPU": 1}
         node = self._target_node(accel or "CPU")
+        # Detached (like the ranks): the group outlives a crash of the supervisor that started it, which
+        # adopts it again by name when Ray restarts it. ``shutdown()`` and ``remove_all()`` free them.
         self._pg = placement_group(
-            [per_rank] * cfg.tp, strategy="STRICT_PACK", name=f"kvgrid-{cfg.name}",
-            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
+            [per_rank] * cfg.tp, strategy="STRICT_PACK", name=pg_name(cfg.name),
+            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp, lifetime="detached",
         )
         ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
         actor = ray.remote(RankActor)
@@ -256,7 +346,8 @@ class WorkerGroup:
                 num_cpus=1,
                 num_gpus=1 if accel == "GPU" else 0,
                 resources={accel: 1} if accel and accel != "GPU" else None,
-                name=f"kvgrid-{cfg.name}-rank{r}",
+                name=rank_name(cfg.name, r),
+                lifetime="detached",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
             ).remote(r, cfg.tp)
             for r in range(cfg.tp)
@@ -299,6 +390,16 @@ class WorkerGroup:
         """None when every rank is alive and the leader reports no failure, else the reason."""
         if not self.ranks:
             return "not running"
+        if len(self.ranks) < self.config.tp:  # adopted incomplete
+            return f"rank {len(self.ranks)} is gone"
+        if not self._follows:  # adopted: the followers' ``follow`` calls belong to the previous owner
+            for r in range(1, self.config.tp):
+                try:
+                    ray.get_actor(rank_name(self.name, r))  # a dead rank's name is free again
+                except ValueError:
+                    reason = f"rank {r} is gone"
+                    self._tell_leader(reason)
+                    return reason
         done, _ = ray.wait(self._follows, num_returns=len(self._follows), timeout=0) if self._follows else ([], [])
         for ref in done:  # a follower only returns early when its rank died or the group broke
             reason = f"rank {self._follows.index(ref) + 1} stopped"
@@ -362,7 +463,7 @@ class WorkerGroup:
 
     def _translate(self, exc: Exception) -> Exception:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, (GroupUnhealthyError, ValueError)):
+        if isinstance(cause, (GroupUnhealthyError, RequestFailed, ValueError)):
             return cause
         return GroupUnhealthyError(f"worker group {self.name!r} failed: {type(exc).__name__}")
 
@@ -374,26 +475,35 @@ class WorkerGroup:
         assert out is not None
         return out
 
-    def abort(self, request_id: str) -> bool:
-        return self._unwrap(lambda: ray.get(self.leader.abort.remote(request_id)))
+    def abort(self, request_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        return self._unwrap(lambda: ray.get(self.leader.abort.remote(request_id), timeout=timeout_s))
 
-    def stats(self) -> EngineStats:
-        return self._unwrap(lambda: ray.get(self.leader.stats.remote()))
+    def stats(self, timeout_s: float = CALL_TIMEOUT_S) -> EngineStats:
+        """The leader's engine counters; ``GetTimeoutError`` when it does not answer within ``timeout_s``."""
+        return self._unwrap(lambda: ray.get(self.leader.stats.remote(), timeout=timeout_s))
 
-    def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
+    def read_events(self, offset: int, timeout_s: float = CALL_TIMEOUT_S) -> tuple[list[KVEvent], int]:
         """KV events from ``offset`` on and the next offset (see ``RankActor.read_events``)."""
-        return self._unwrap(lambda: ray.get(self.leader.read_events.remote(offset)))
+        return self._unwrap(lambda: ray.get(self.leader.read_events.remote(offset), timeout=timeout_s))
 
-    def shutdown(self) -> None:
-        """Stop every rank and free the placement group."""
-        try:
-            ray.get(self.leader.shutdown.remote(), timeout=10)
-        except Exception:  # the group may already be broken; killing below is what matters
-            pass
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every rank and free the placement group (``graceful``: first let the followers return, for
+        at most 10 s; pointless when the group is known to hang)."""
+        if graceful and self.ranks:
+            try:
+                ray.get(self.leader.shutdown.remote(), timeout=10)
+            except Exception:  # the group may already be broken; killing below is what matters
+                pass
         for a in self.ranks:
-            ray.kill(a)
+            try:
+                ray.kill(a, no_restart=True)
+            except ValueError:  # already gone
+                pass
         if self._pg is not None:
-            remove_placement_group(self._pg)
+            try:
+                remove_placement_group(self._pg)
+            except Exception as exc:  # the GCS did not answer: remove_all() at exit still finds it by name
+                print(f"kvgrid: could not remove placement group of {self.name}: {exc}", flush=True)
         self.ranks, self._follows, self._pg = [], [], None
 
     def restart(self) -> None:
@@ -402,8 +512,21 @@ class WorkerGroup:
         self.start()
 
 
+def pg_name(group: str) -> str:
+    return f"kvgrid-{group}"
+
+
+def rank_name(group: str, rank: int) -> str:
+    return f"kvgrid-{group}-rank{rank}"
+
+
+_RANK_NAME = re.compile(r"kvgrid-.+-rank[0-9]+")
+RAY_NAMESPACE = "kvgrid"  # where the named (detached) group actors live, so a restarted supervisor finds them
+
+
 def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> None:
-    """Start (or join, with ``address``) Ray; a local start stays on loopback with auth disabled."""
+    """Start (or join, with ``address``) Ray in the kvgrid namespace; a local start stays on loopback with auth
+    disabled."""
     import os
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -411,10 +534,11 @@ def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> N
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
     else:
         ray.init(
             address="local",  # always a new instance: never join another Ray running on this machine
+            namespace=RAY_NAMESPACE,
             num_cpus=num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

@@ -1,4 +1,9 @@
-"""Picks each sequence's next token from its logits: greedy, or temperature with top-k / top-p."""
+"""Picks each sequence's next token from its logits: greedy, or temperature with top-k / top-p.
+
+Sampling never raises for parameters ``SamplingParams`` accepts, whatever the logits hold (tiny ``top_p``,
+extreme temperatures, ``inf`` or ``NaN`` logits). If something still fails for one row, that row's result is
+the exception and the other rows are sampled as usual: the engine fails that request alone.
+"""
 
 from __future__ import annotations
 
@@ -19,36 +24,63 @@ class Sampler:
         # Unseeded requests draw from one engine-wide stream, so a whole run is reproducible from its seed.
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        logits = logits.float()
-        greedy = logits.argmax(-1).tolist()
-        want_lp = any(s.params.logprobs is not None for s in seqs)
-        logp = torch.log_softmax(logits, -1) if want_lp else None
-        out = []
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult | Exception]:
+        """One result per row of ``logits``: the sample, or the exception that sampling that row raised."""
+        try:
+            batch = self._prepare(logits, seqs)  # one device round trip for the whole batch
+        except Exception:
+            batch = None  # decide row by row below: only the rows that fail on their own fail
+        out: list[SampleResult | Exception] = []
         for i, seq in enumerate(seqs):
-            p = seq.params
-            tok = greedy[i] if p.greedy else self._sample(logits[i], seq)
-            lp = top = None
-            if p.logprobs is not None:
-                assert logp is not None
-                lp = float(logp[i, tok])
-                if p.logprobs > 0:
-                    vals, idx = logp[i].topk(p.logprobs)
-                    top = dict(zip(idx.tolist(), vals.tolist()))
-            out.append(SampleResult(tok, lp, top))
+            try:
+                if batch is not None:
+                    greedy, logp = batch[0][i], None if batch[1] is None else batch[1][i]
+                else:
+                    (greedy,), lp_rows = self._prepare(logits[i : i + 1], [seq])
+                    logp = None if lp_rows is None else lp_rows[0]
+                out.append(self._pick(logits[i], seq, greedy, logp))
+            except Exception as exc:
+                out.append(exc)
         return out
+
+    @staticmethod
+    def _prepare(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+        logits = logits.float()
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        return logits.argmax(-1).tolist(), torch.log_softmax(logits, -1) if want_lp else None
+
+    def _pick(self, row: torch.Tensor, seq: Sequence, greedy: int, logp: torch.Tensor | None) -> SampleResult:
+        p = seq.params
+        tok = greedy if p.greedy else self._sample(row, seq)
+        lp = top = None
+        if p.logprobs is not None:
+            assert logp is not None
+            lp = float(logp[tok])
+            if p.logprobs > 0:
+                vals, idx = logp.topk(p.logprobs)
+                top = dict(zip(idx.tolist(), vals.tolist()))
+        return SampleResult(tok, lp, top)
 
     def _sample(self, row: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
-        row = row.cpu() / p.temperature
+        row = row.float().cpu() / p.temperature
+        # NaN is never a candidate; +inf (or an overflow from a small temperature) becomes the largest finite
+        # value, so softmax keeps a well-defined top token instead of producing NaN.
+        row = torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
         if 0 < p.top_k < row.numel():
             kth = row.topk(p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = row.softmax(-1)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            # Keep the smallest set whose mass reaches top_p (the token that crosses it included).
+            # Keep the smallest set whose mass reaches top_p (the token that crosses it included). The most
+            # likely token always stays, even when top_p rounds to 0 in float32.
             drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
+            drop[0] = False
             probs[order[drop]] = 0.0
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            if not bool(torch.isfinite(row).any()):
+                raise ValueError("the model produced no finite logit for this request")
+            return int(row.argmax())
         gen = seq.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=gen))

@@ -53,6 +53,8 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.text = ""
+        self.num_stop_checked_chars = 0  # text already searched for stop strings (they can only end later)
+        self.error: str | None = None  # why the engine failed this request alone
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.arrival_time = time.perf_counter()

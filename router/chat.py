@@ -1,0 +1,140 @@
+"""Chat prompts: the model's chat template, rendered and tokenised so that text from a request never becomes a
+special token.
+
+A chat template wraps each message in role markers (``<|im_start|>user ... <|im_end|>``), which are special
+tokens. Rendering the template to a string and encoding that string would also turn the marker *text* inside a
+message into the real tokens, so a user could forge a system turn. Here every message's content is a region of the
+rendered text that is known (found by rendering the template a second time with unique placeholders as contents),
+and a special token may come only from outside those regions.
+
+For ordinary text the result is exactly ``tokenizer.encode(rendered, add_special_tokens=False)``, the plain path,
+so the same conversation prefix always gives the same leading tokens and prefix caching is unaffected. Only when a
+special token would come from a message's text is the prompt encoded region by region: the template's pieces as
+usual, the messages' texts with special-token matching off (their marker text becomes ordinary tokens).
+
+Only ``/v1/completions`` with a string prompt encodes special-token text as special tokens: a raw prompt is the
+caller's own template (vLLM does the same)."""
+
+from __future__ import annotations
+
+import bisect
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (for example roles that do not alternate), or rewrites their
+    contents so that they cannot be kept apart from its own text."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its text, its token ids, the character span of each token in ``text``, and the character
+    span of each message's content (by message index; ``None`` for one the template left out)."""
+
+    text: str
+    token_ids: list[int]
+    offsets: list[tuple[int, int]]
+    content_spans: list[tuple[int, int] | None]
+
+
+def _apply(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as exc:
+        raise ChatTemplateError(str(exc)) from None
+
+
+def _align(text: str, template: list[str], contents: list[str]) -> list[tuple[int, int]] | None:
+    """Where each of ``contents`` lies in ``text`` = template[0] + content + template[1] + ..., each content as is
+    or stripped (templates often ``| trim`` it); ``None`` when ``text`` is not of that form."""
+    spans, pos = [], 0
+    for k, content in enumerate(contents):
+        if not text.startswith(template[k], pos):
+            return None
+        pos += len(template[k])
+        for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if text.startswith(shown, pos) and text.startswith(template[k + 1], pos + len(shown)):
+                break
+        else:
+            return None
+        spans.append((pos, pos + len(shown)))
+        pos += len(shown)
+    return spans if pos + len(template[-1]) == len(text) and text.endswith(template[-1]) else None
+
+
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> tuple[str, list[tuple[int, tuple[int, int]]]]:
+    """The chat text of ``messages`` (each with a string ``content``), and (message index, character span) of every
+    place where the template put a content, in text order.
+
+    The text is the template's own rendering. When the template transforms contents in a way that cannot be
+    traced (anything beyond stripping whitespace, or branching on what a content says), the contents are put
+    verbatim where the template put the placeholders instead: the prompt then differs a little from the template's
+    rendering, but the regions stay exact, which is what keeps the markers safe. A template that cuts contents
+    up (so a placeholder does not survive whole) is refused with ``ChatTemplateError``."""
+    nonce = secrets.token_hex(8)  # unguessable, so no content can contain a placeholder
+    slot = re.compile(f"{nonce}s([0-9]+)e{nonce}", re.IGNORECASE)  # survives | upper, | lower, | title
+    marked = [{**m, "content": f"{nonce}s{i}e{nonce}"} for i, m in enumerate(messages)]
+    pieces = slot.split(_apply(tokenizer, marked, add_generation_prompt))
+    template, order = pieces[0::2], [int(i) for i in pieces[1::2]]
+    if any(end in piece.lower() for piece in template for end in (nonce[:8], nonce[-8:])):
+        # Contents cut or rewritten beyond recognition (``content[:100]``): their regions cannot be known.
+        raise ChatTemplateError("the model's chat template rewrites message contents in a way that cannot be "
+                                "rendered safely; use a template that inserts them as they are")
+    contents = [messages[i]["content"] for i in order]
+    text = _apply(tokenizer, messages, add_generation_prompt)
+    spans = _align(text, template, contents)
+    if spans is None:
+        text, spans = template[0], []
+        for content, after in zip(contents, template[1:]):
+            spans.append((len(text), len(text) + len(content)))
+            text += content + after
+    return text, list(zip(order, spans))
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """Every special token, the additional ones included (Llama 3's reserved ids, ChatML's markers)."""
+    return {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+
+
+def _encode(tokenizer, text: str, plain_text: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=plain_text)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatPrompt:
+    """Render ``messages`` with the tokenizer's chat template and tokenise the result so that special tokens come
+    only from the template, never from a message's text. Raises ``ChatTemplateError`` when the template refuses the
+    messages."""
+    text, placed = render_chat(tokenizer, messages, add_generation_prompt)
+    by_message: list[tuple[int, int] | None] = [None] * len(messages)
+    for i, span in placed:
+        by_message[i] = by_message[i] or span  # a content the template repeats: its first place
+    ids, offsets = _encode(tokenizer, text, plain_text=False)
+    regions = sorted({span for _, span in placed if span[0] < span[1]})
+    starts = [a for a, _ in regions]
+    special = _special_ids(tokenizer)
+
+    def in_content(start: int, end: int) -> bool:
+        k = bisect.bisect_right(starts, start) - 1  # the last region starting at or before the token
+        if k >= 0 and start < regions[k][1]:
+            return True
+        return k + 1 < len(regions) and regions[k + 1][0] < end
+
+    if not any(t in special and in_content(*o) for t, o in zip(ids, offsets)):
+        return ChatPrompt(text, ids, offsets, by_message)
+    ids, offsets, pos = [], [], 0
+    for region in [*regions, (len(text), len(text))]:
+        for lo, hi, plain in ((pos, region[0], False), (region[0], region[1], True)):
+            if hi > lo:
+                part_ids, part_offsets = _encode(tokenizer, text[lo:hi], plain)
+                ids += part_ids
+                offsets += [(lo + a, lo + b) for a, b in part_offsets]
+        pos = region[1]
+    return ChatPrompt(text, ids, offsets, by_message)
