@@ -123,6 +123,7 @@ class ServeConfig(_Strict):
     http: HttpConfig = HttpConfig()
     admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API
     redis_timeout_s: float = Field(1.0, gt=0, le=60)  # past it a Redis call fails (503) instead of waiting
+    step_timeout_s: float = Field(60.0, gt=0)  # a group whose step runs longer has failed (a hung rank)
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")

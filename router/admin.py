@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
-from router.store import KeyRing
+from router.store import KeyRing, presented_key
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
 DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)
@@ -58,14 +58,10 @@ class _AdminError(Exception):
 
 @admin_app.exception_handler(_AdminError)
 async def _admin_error(_: Request, exc: _AdminError) -> JSONResponse:
-    return JSONResponse({"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status)
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # the cluster is restarting: retry
+    return JSONResponse({"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status,
+                        headers=headers)
 
-
-def _presented_key(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key", "")
 
 
 async def _parse(request: Request, model: type[BaseModel]):
@@ -124,7 +120,7 @@ class Admin:
         self.gauges = [(Gauge(name, doc, ["group"], registry=self.registry), field) for name, doc, field in _GAUGES]
 
     def _auth(self, request: Request) -> None:
-        if not self.keys.authenticate("admin", _presented_key(request)):
+        if not self.keys.authenticate("admin", presented_key(request.headers)):
             raise _AdminError(401, "invalid admin key")
 
     async def _ask_router(self, method: str, *args):

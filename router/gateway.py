@@ -48,6 +48,7 @@ from router.store import (
     StoreUnavailable,
     UsageLedger,
     connect,
+    presented_key,
 )
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,13 @@ MAX_BREAKPOINTS = 4
 MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
 MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
-ROUTE_TIMEOUT_S = 3.0  # a router replica that takes longer is skipped (it routes in microseconds)...
+# A router replica that takes longer is skipped (it routes in about a millisecond; a killed one that Ray is
+# restarting holds calls until it is back, seconds later)...
+ROUTE_TIMEOUT_S = 0.5
 LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
 ROUTER_COOLDOWN_S = 10.0  # a replica that failed is tried last for this long (Ray restarts it meanwhile)
-GROUP_SILENCE_S = 120.0  # a group that sends nothing about a request for this long has failed
+GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gateway ask its group's health
+HEALTH_TIMEOUT_S = 10.0
 ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
 STORE_RETRY_AFTER_S = 2.0
 
@@ -192,6 +196,9 @@ def _failure(exc: RayError, group: str, api: str) -> Exception:
     name = type(cause).__name__
     if name == "RequestAborted":
         return _err(503, "the request was aborted on its worker group; retry it", api)
+    if name == "RequestFailed":  # the engine failed this request alone; its group keeps serving
+        return ApiError(500, f"the request failed on worker group {group} ({cause}); the service keeps serving, "
+                        "retry it or change its parameters", "api_error", api)
     if isinstance(exc, RayActorError) or name == "GroupUnhealthyError":
         return _GroupFailed(f"{type(exc).__name__}: {cause or exc}")
     return ApiError(500, f"internal error in worker group {group} ({name or type(exc).__name__})", "api_error", api)
@@ -263,18 +270,44 @@ async def _bounded(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
+async def _outputs(gen, decision, api: str) -> AsyncIterator[RequestOutput]:
+    """A group's outputs for one request. A request may wait in a busy group's queue for long, so silence alone
+    is no failure: every ``GROUP_SILENCE_S`` without output the leader is asked whether the group is healthy (a
+    hung step fails it after ``step_timeout_s``); a group that is unhealthy or does not answer has failed."""
+    pending = asyncio.ensure_future(gen.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=GROUP_SILENCE_S)
+            if not done:
+                try:
+                    reason = await _bounded(decision.leader.health.remote(), HEALTH_TIMEOUT_S)
+                except (RayError, asyncio.TimeoutError) as exc:
+                    reason = f"no output for {GROUP_SILENCE_S:.0f} s and no health answer ({type(exc).__name__})"
+                if reason is None:
+                    continue
+                raise _GroupFailed(reason)
+            try:
+                ref = pending.result()
+            except StopAsyncIteration:
+                return
+            except RayError as exc:
+                raise _failure(exc, decision.group, api) from None
+            try:
+                out = await _bounded(ref, HEALTH_TIMEOUT_S)  # the generator yields a ref once it is ready
+            except asyncio.TimeoutError:
+                raise _GroupFailed("an output could not be fetched") from None
+            except RayError as exc:
+                raise _failure(exc, decision.group, api) from None
+            yield out
+            pending = asyncio.ensure_future(gen.__anext__())
+    finally:
+        pending.cancel()
+
+
 def _stop_reason(out: RequestOutput) -> str:
     if out.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
-
-
-def _presented_key(request: Request) -> str | None:
-    key = request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
-    auth = request.headers.get("authorization", "")
-    if not key and auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-    return key
 
 
 # Serve captures this class when it is decorated: every module-level name it uses must be defined above.
@@ -332,7 +365,7 @@ class Gateway:
         """The tenant, if the request carries one of its keys. An unknown tenant gets the very same 401 as a
         wrong key, so tenant names cannot be probed."""
         t = self.tenants.get(tenant)
-        ok = self.keys.authenticate(tenant, _presented_key(request))  # hashed either way: no timing difference
+        ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: no timing difference
         if t is None or not ok:
             raise _err(401, "invalid API key for this tenant", api)
         return t
@@ -436,6 +469,9 @@ class Gateway:
             timeout_s = ROUTE_TIMEOUT_S if k < n - 1 else LAST_ROUTE_TIMEOUT_S
             try:
                 return router, await _bounded(router.route.remote(t.name, prompt, attempt, failed), timeout_s)
+            except asyncio.CancelledError:  # the client left while the replica may have routed it already
+                router.on_finish.remote(attempt)
+                raise
             except (RayActorError, asyncio.TimeoutError):
                 self._router_failed_at[j] = time.monotonic()
                 router.on_finish.remote(attempt)  # in case it did route it: its queue estimate forgets it
@@ -456,7 +492,7 @@ class Gateway:
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
         once, and an unfinished request is aborted on its group.
 
-        A group that fails (or sends nothing for ``GROUP_SILENCE_S``) is reported to the routers (which route
+        A group that fails (or is silent and unhealthy, see ``_outputs``) is reported to the routers (which route
         nothing more to it) and the request is retried on another group, as long as nothing has been yielded
         yet, or at any point when ``restartable`` (the caller keeps only the last output). A request the
         engine failed alone answers 500; its group keeps serving."""
@@ -469,21 +505,7 @@ class Gateway:
             try:
                 router, decision = await self._route(t, prompt, attempt, failed, api)
                 gen = decision.leader.generate.remote(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
-                while True:
-                    try:
-                        ref = await _bounded(gen.__anext__(), GROUP_SILENCE_S)
-                        out = await _bounded(ref, GROUP_SILENCE_S)
-                    except StopAsyncIteration:
-                        break
-                    except asyncio.TimeoutError:
-                        raise _GroupFailed(f"no output for {GROUP_SILENCE_S:.0f} s") from None
-                    except RayError as exc:
-                        raise _failure(exc, decision.group, api) from None
-                    if out.finish_reason == "error":
-                        finished = True  # the engine finished it already: nothing to abort
-                        out = None  # a request that failed is not billed
-                        raise ApiError(500, f"the request failed on worker group {decision.group}; the service "
-                                       "keeps serving, retry it or change its parameters", "api_error", api)
+                async for out in _outputs(gen, decision, api):
                     if not finished and len(out.token_ids) == len(out.new_token_ids):
                         router.on_prefill_done.remote(attempt)
                     finished = out.finished
@@ -784,11 +806,13 @@ class Gateway:
 
     # -- cached content ----------------------------------------------------------------------------------------
 
-    async def _pin_content(self, t: _Tenant, tokens: list[int], ttl: float) -> None:
+    async def _pin_content(self, t: _Tenant, tokens: list[int], ttl: float, request: Request) -> None:
         """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
-        tokens, what was reused (a read) and what was computed and pinned (a write)."""
-        out, predicted = await _last(self._generate(
-            t, tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl, _no_account, True))
+        tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client
+        leaves."""
+        run = self._generate(
+            t, tokens, SamplingParams(max_tokens=1, temperature=0.0), "openai", len(tokens), ttl, _no_account, True)
+        out, predicted = await _last(_watched(request, run, "openai"))
         read = min(out.num_cached_tokens, len(tokens))
         self.ledger.record(t.name, requests=1, prompt_tokens=len(tokens), cached_tokens=read,
                            output_tokens=len(out.token_ids), cache_read_tokens=read,
@@ -819,7 +843,7 @@ class Gateway:
         except LimitExceeded as exc:
             raise _err(429, str(exc), "openai", 60.0) from None
         try:
-            await self._pin_content(t, tokens, ttl)  # computed and pinned now, so the first use is a read
+            await self._pin_content(t, tokens, ttl, request)  # computed and pinned now, so the first use is a read
         except BaseException:
             self._spawn(store.delete(t.name, cc.id))
             raise
@@ -860,7 +884,7 @@ class Gateway:
         if cc is None:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         await self._admit(t, cc.token_ids, 1, "openai")  # a re-pin costs what computing the content costs
-        await self._pin_content(t, cc.token_ids, ttl)  # pinned for the new lifetime before it is promised
+        await self._pin_content(t, cc.token_ids, ttl, request)  # pinned for the new lifetime before it is promised
         cc = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
         if cc is None:  # deleted meanwhile
             raise _err(404, f"cached content {cid!r} not found", "openai")

@@ -44,16 +44,13 @@ class RouterService:
         self.offsets = {g: 0 for g in leaders}
         self.stream = None
         if redis_url:
-            import redis
+            from common.event_stream import RedisStreamSubscription, stream_client
 
-            from common.event_stream import RedisStreamSubscription
-
-            client = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                          socket_connect_timeout=REDIS_TIMEOUT_S)
+            client = stream_client(redis_url, REDIS_TIMEOUT_S)
             self.stream = RedisStreamSubscription(client, list(leaders))
         self.poll_interval_s = poll_interval_s
         self._poller: asyncio.Task | None = None
-        if supervisor is not None and _restarted():
+        if supervisor is not None and restarted():
             self._recover_groups(supervisor)
 
     def _recover_groups(self, supervisor: str) -> None:
@@ -204,8 +201,8 @@ class RouterService:
             self.stream.remove_group(group)
 
 
-def _restarted() -> bool:
-    """Whether Ray restarted this actor after a crash (False outside an actor)."""
+def restarted() -> bool:
+    """Whether Ray restarted the current actor after a crash (False outside an actor)."""
     import ray
 
     ctx = ray.get_runtime_context()

@@ -77,6 +77,17 @@ def with_password(url: str, password: str | None) -> str:
 _NO_KEY = hash_api_key(secrets.token_hex(32))  # matches no key anybody knows
 
 
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request presents, in the headers the SDKs use: ``x-api-key`` (Anthropic),
+    ``x-goog-api-key`` (Gemini), else ``Authorization: Bearer`` (OpenAI). The gateway and the admin API both
+    read it here, so a key is found the same way everywhere."""
+    key = headers.get("x-api-key") or headers.get("x-goog-api-key")
+    auth = headers.get("authorization", "")
+    if not key and auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+    return key or None
+
+
 class KeyRing:
     """Tenants' API keys, checked in memory: only their SHA-256 is held, so authentication needs no Redis and
     a Redis that lost its data cannot lock anyone out."""

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 import ray
 from ray.util.placement_group import placement_group_table
 
+from common.event_stream import stream_client
 from common.sampling import SamplingParams
+from router.service import restarted
 from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
 
 STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"
@@ -62,7 +64,7 @@ class Supervisor:
         # routers' group sets, one at a time: the reconciliation never re-adds a group being released.
         self._members = threading.Lock()
         self._stop = threading.Event()
-        if _restarted():
+        if restarted():
             self._adopt()
         else:  # a fresh deployment: anything left by an earlier run that crashed is not ours to serve with
             stale = WorkerGroup.remove_all()
@@ -230,8 +232,7 @@ class Supervisor:
 
         from common.event_stream import stream_name
 
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                      socket_connect_timeout=REDIS_TIMEOUT_S)
+        client = stream_client(self.redis_url, REDIS_TIMEOUT_S)
         try:
             client.delete(stream_name(name))
         except redis.RedisError as exc:  # the stream stays; a reader of a removed group ignores it
@@ -373,7 +374,7 @@ class Supervisor:
     def info(self) -> dict:
         """Where the supervisor runs (its process id changes when Ray restarts it)."""
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "restarted": _restarted()}
+                "restarted": restarted()}
 
     def shutdown(self) -> None:
         """Stop watching and stop every group, then remove any group actor or placement group still left
@@ -386,12 +387,6 @@ class Supervisor:
         for g in groups:
             g.shutdown()
         WorkerGroup.remove_all()
-
-
-def _restarted() -> bool:
-    """Whether Ray restarted this actor after a crash (False outside an actor)."""
-    ctx = ray.get_runtime_context()
-    return ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed
 
 
 def _log(message: str) -> None:

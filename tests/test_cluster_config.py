@@ -58,13 +58,17 @@ def test_redis_on_the_head_is_private_and_needs_a_generated_password():
     assert "0.0.0.0" not in text and "protected-mode no" not in text
     [start] = [c for c in commands() if "/usr/bin/redis-server" in words(c)]
     w = words(start)
+    conf = w[w.index("/usr/bin/redis-server") + 1]  # the password is in this private file, not on the command line
     options: dict[str, list[str]] = {}
-    for word in w[w.index("/usr/bin/redis-server") + 1 :]:
+    for word in w[w.index("/usr/bin/redis-server") + 2 :]:
         if word.startswith("--"):
             current = options.setdefault(word, [])
         else:
             current.append(word)
-    assert options["--requirepass"] == ["$KVGRID_REDIS_PASSWORD"]
+    assert "--requirepass" not in options and "KVGRID_REDIS_PASSWORD" not in start
+    [written] = [c for c in cluster()["head_setup_commands"] if "requirepass" in c]
+    assert "umask 077" in written and "requirepass $KVGRID_REDIS_PASSWORD" in written
+    assert conf.replace("$HOME", "~") in written
     assert options["--protected-mode"] == ["yes"]
     assert options["--bind"] and set(options["--bind"]) <= {"127.0.0.1", "HOST"}  # HOST: the private address
     # A setup command generates the password into a private file; Redis and `kvgrid serve` read it from there.
@@ -72,5 +76,5 @@ def test_redis_on_the_head_is_private_and_needs_a_generated_password():
     [made] = [c for c in cluster()["head_setup_commands"] if "KVGRID_REDIS_PASSWORD=" in c]
     assert env_file in made and "umask 077" in made and "rand" in made
     serve = next(c for c in commands() if "kvgrid" in words(c))
-    for command in (start, serve):
-        assert words(command)[:3] == [".", env_file, "&&"]
+    for command in (written, serve):
+        assert words(command)[:3] == [".", env_file, "&&"] or f". {env_file} &&" in command
