@@ -222,7 +222,7 @@ class RankActor:
         assert self.engine is not None
         events, end = self.events.read(offset)
         if events is None:
-            keys = await self._locked(lambda: list(self.engine.kv.pool.key_to_block))
+            keys = await asyncio.to_thread(self._keys)
             events = [AllCleared(), BlockStored(keys, None)]
         return events, end
 
