@@ -19,10 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
+from router.apis import BodyError, parse_body
 from router.store import KeyRing, presented_key
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
@@ -65,17 +66,10 @@ async def _admin_error(_: Request, exc: _AdminError) -> JSONResponse:
 
 
 async def _parse(request: Request, model: type[BaseModel]):
-    chunks, size = [], 0
-    async for chunk in request.stream():  # stop reading past the limit, with or without a content-length
-        size += len(chunk)
-        if size > MAX_ADMIN_BODY_BYTES:
-            raise _AdminError(413, f"request body exceeds {MAX_ADMIN_BODY_BYTES} bytes")
-        chunks.append(chunk)
     try:
-        return model.model_validate_json(b"".join(chunks))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise _AdminError(400, f"{'.'.join(str(p) for p in first['loc']) or 'body'}: {first['msg']}") from None
+        return await parse_body(request, model, MAX_ADMIN_BODY_BYTES)
+    except BodyError as exc:
+        raise _AdminError(exc.status, exc.message) from None
 
 
 def _remote_error(exc: BaseException) -> _AdminError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -232,3 +232,32 @@ class CachedContentRequest(_Body):
 
 class CachedContentPatch(_Body):
     ttl: Annotated[str, Field(min_length=1, max_length=32)]
+
+
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class BodyError(Exception):
+    """A request body that is too large (413) or does not match its model (400: ``"{field}: {problem}"``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def parse_body(request, model: type[BaseModel], max_bytes: int = MAX_BODY_BYTES):
+    """``request``'s JSON body as ``model``, read no further than ``max_bytes`` (a chunked upload has no length).
+    The gateway and the admin API both read bodies here; each words a ``BodyError`` in its own API's format."""
+    if int(request.headers.get("content-length") or 0) > max_bytes:
+        raise BodyError(413, f"request body exceeds {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyError(413, f"request body exceeds {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise BodyError(400, f"{'.'.join(str(p) for p in first['loc']) or 'body'}: {first['msg']}") from None

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
@@ -31,11 +31,14 @@ from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 from router.apis import (
+    MAX_BODY_BYTES,
+    BodyError,
     CachedContentPatch,
     CachedContentRequest,
     ChatRequest,
     CompletionRequest,
     MessagesRequest,
+    parse_body,
 )
 from router.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.router import NoGroup, Overloaded
@@ -53,7 +56,6 @@ from router.store import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 * 2**20
 MAX_BREAKPOINTS = 4
 MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
@@ -345,21 +347,10 @@ class Gateway:
     # -- plumbing ----------------------------------------------------------------------------------------------
 
     async def _body(self, request: Request, model: type[BaseModel], api: str) -> Any:
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
-        chunks, size = [], 0
-        async for chunk in request.stream():  # a chunked upload has no length: stop reading past the limit
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise _err(413, f"request body exceeds {MAX_BODY_BYTES} bytes", api)
-            chunks.append(chunk)
-        raw = b"".join(chunks)
         try:
-            return model.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise _err(400, f"{where}: {first['msg']}", api) from None
+            return await parse_body(request, model, MAX_BODY_BYTES)
+        except BodyError as exc:
+            raise _err(exc.status, exc.message, api) from None
 
     def _auth(self, tenant: str, request: Request, api: str) -> _Tenant:
         """The tenant, if the request carries one of its keys. An unknown tenant gets the very same 401 as a
