@@ -174,6 +174,11 @@ class RouterService:
         """Leading blocks each group holds for this prompt (for inspection and tests)."""
         return self.router.match(self.router.keys_for(tenant, token_ids))
 
+    def held(self, tenant: str, token_ids: Sequence[int]) -> dict[str, int]:
+        """Like ``match``, but from the groups' events alone (no predictions): what this replica has learned
+        from the streams, whichever replica routed the prompt."""
+        return self.router.index.match(self.router.keys_for(tenant, token_ids))
+
     def loads(self) -> dict[str, GroupLoad]:
         return dict(self.router.loads)
 
