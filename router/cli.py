@@ -110,6 +110,12 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from router import loadgen
+
+    return loadgen.run(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from router import serve
 
@@ -240,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--calls", type=int, default=300)
     r.set_defaults(func=_cmd_bench_route)
+    from router.loadgen import add_arguments
+
+    bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
+    add_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
 
     from router.policy import POLICIES
 

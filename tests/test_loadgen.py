@@ -1,0 +1,209 @@
+"""`kvgrid bench serve` (router/loadgen.py): its pure parts, then the load generator against a real `kvgrid serve`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from harness import ACME_KEY, TWO_TENANTS, free_port, serving
+
+from router import cli
+from router.loadgen import (Prompt, Result, TokenSource, TraceEntry, load_trace, percentile, poisson_offsets,
+                            random_prompts, summarise, words)
+
+TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"
+
+
+# -- traces ------------------------------------------------------------------------------------------------------
+
+
+def test_load_trace_reads_records_in_seconds_and_stops_at_max_requests():
+    entries = load_trace(TRACE, max_requests=5)
+    first = json.loads(TRACE.read_text().splitlines()[0])
+    assert len(entries) == 5
+    assert entries[0] == TraceEntry(first["timestamp"] / 1e3, first["input_length"], first["output_length"],
+                                    tuple(first["hash_ids"]))
+    assert len(load_trace(TRACE)) == 1500
+
+
+@pytest.mark.parametrize("line, words_in_error", [
+    ('{"timestamp": 0, "input_length": 10}', ":2: not a trace record"),
+    ("not json", ":2: not a trace record"),
+    ('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1]}', ":2: input_length 1100"),
+    ('{"timestamp": 0, "input_length": 100, "output_length": 0, "hash_ids": [0]}', ":2: output_length"),
+])
+def test_load_trace_names_the_bad_line(tmp_path, line, words_in_error):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=words_in_error):
+        load_trace(path)
+
+
+def test_trace_prompts_equal_hash_ids_give_equal_blocks():
+    src = TokenSource(vocab_size=4096, seed=3)
+    a = TraceEntry(0.0, 1500, 10, (0, 1, 2))
+    b = TraceEntry(0.0, 1100, 10, (0, 1, 7))
+    pa, pb = src.trace_prompt(a, 16), src.trace_prompt(b, 16)
+    # Lengths scale from 512 tokens per hash id to 16; the last block is cut to the length.
+    assert len(pa) == math.ceil(1500 * 16 / 512) and len(pb) == math.ceil(1100 * 16 / 512)
+    assert pa[:32] == pb[:32]  # hash ids 0 and 1
+    assert pa[32:35] != pb[32:35]  # 2 vs 7
+    assert pa[32:] == src.block(2, 16)[: len(pa) - 32]
+    assert all(0 <= t < 4096 for t in pa + pb)
+    # The same ids give the same tokens in a fresh source (another run); another seed gives others.
+    assert TokenSource(4096, 3).trace_prompt(a, 16) == pa
+    assert TokenSource(4096, 4).trace_prompt(a, 16) != pa
+    # In a trace that reuses ids, the blocks are the same wherever they appear.
+    pc = src.trace_prompt(TraceEntry(0.0, 600, 10, (2, 0)), 16)
+    assert pc[:16] == src.block(2, 16) and pc[:15] == pa[32:47] and pc[16:] == pa[: len(pc) - 16]
+
+
+# -- prompts -----------------------------------------------------------------------------------------------------
+
+
+def test_random_prompts_share_exactly_the_prefix():
+    src = TokenSource(vocab_size=50, seed=0)
+    prompts = random_prompts(src, 4, 256, 0.75, 8, "tokens")
+    assert all(len(p.ids) == 256 and p.output_len == 8 for p in prompts)
+    assert len({tuple(p.ids[:192]) for p in prompts}) == 1
+    assert len({tuple(p.ids[192:]) for p in prompts}) == 4
+    assert all(0 <= t < 50 for p in prompts for t in p.ids)
+    assert len({tuple(p.ids[:8]) for p in random_prompts(src, 4, 256, 0.0, 8, "tokens")}) == 4
+
+
+def test_prompt_bodies_per_format():
+    ids = [1, 2, 3]
+    tokens = Prompt(ids, 5, "tokens").body("m")
+    assert tokens["prompt"] == ids and tokens["max_tokens"] == 5 and tokens["stream"] is True
+    assert tokens["stream_options"] == {"include_usage": True}
+    assert Prompt(ids, 5, "text").body("m")["prompt"] == words(ids)
+    assert Prompt(ids, 5, "chat").body("m")["messages"] == [{"role": "user", "content": words(ids)}]
+    # Shared ids are shared text: a prompt's text starts with its prefix's text.
+    assert words([7, 8, 9, 10]).startswith(words([7, 8])) and words([7]) != words([8])
+
+
+def test_follow_up_turns_extend_the_previous_prompt():
+    first = Prompt([1, 2, 3], 4, "tokens")
+    second = first.follow_up("ignored", 2, user_ids=[9, 9], answer_ids=[5, 6, 7, 8])
+    assert second.ids == [1, 2, 3, 5, 6, 9, 9]  # prompt + as many stand-in ids as the answer had tokens + user
+    chat = Prompt([1, 2, 3], 4, "chat")
+    nxt = chat.follow_up("the answer", 2, user_ids=[9], answer_ids=[5, 6])
+    assert nxt.body("m")["messages"] == [
+        {"role": "user", "content": words([1, 2, 3])},
+        {"role": "assistant", "content": "the answer"},  # the exact answer text
+        {"role": "user", "content": words([9])},
+    ]
+    third = nxt.follow_up("two", 1, user_ids=[4], answer_ids=[0])
+    assert [m["role"] for m in third.body("m")["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert third.body("m")["messages"][-1]["content"] == words([4])
+
+
+def test_poisson_offsets():
+    assert poisson_offsets(3, 0.0, 0) == [0.0, 0.0, 0.0]
+    at = poisson_offsets(4000, 10.0, 0)
+    assert at[0] == 0.0 and all(b > a for a, b in zip(at, at[1:]))
+    assert at[-1] / (len(at) - 1) == pytest.approx(0.1, rel=0.1)
+    assert poisson_offsets(10, 10.0, 0) == at[:10]
+
+
+# -- statistics --------------------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_order_statistics():
+    values = [float(v) for v in range(100, 0, -1)]  # unsorted on purpose
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 100.0
+    assert percentile([5.0], 90) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_summarise_counts_only_completed_requests():
+    ok = [Result(start=0.0, chunk_times=[0.1, 0.2, 0.4], end=0.5, prompt_tokens=100, cached_tokens=75,
+                 output_tokens=3) for _ in range(3)]
+    failed = Result(start=0.0, error="HTTP 503: busy")
+    s = summarise(ok + [failed], duration_s=2.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert s["cached_share"] == 0.75 and s["output_tokens"] == 9
+    assert s["output_tokens_per_s"] == 4.5 and s["requests_per_s"] == 1.5
+    assert s["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(150.0)  # gaps of 100 and 200 ms
+    assert s["e2e_ms"]["p99"] == pytest.approx(500.0)
+    assert s["errors"] == ["HTTP 503: busy"]
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--prefix-ratio", "1.5"], "--prefix-ratio"),
+    (["--input-len", "0"], "--input-len"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--request-rate", "-1"], "--request-rate"),
+    (["--time-scale", "nan"], "--time-scale"),
+    (["--vocab-size", "1"], "--vocab-size"),
+    (["--workload", "trace"], "--trace"),
+    (["--workload", "trace", "--trace", "/does/not/exist"], "--trace"),
+    (["--base-url", "127.0.0.1:8000/v1"], "--base-url"),
+])
+def test_bad_flags_exit_2_naming_the_flag_before_any_request(capsys, flags, named):
+    # The port has no server: a check that came after the first request would fail on the connection instead.
+    assert cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}/v1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "cannot reach" not in err
+
+
+def test_an_unreachable_server_exits_2_naming_base_url(capsys):
+    assert cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+
+
+# -- against a real kvgrid serve ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tmp_path_factory, "kv_cache_bytes: 33554432\n" + TWO_TENANTS, [("acme", ACME_KEY)]) as srv:
+        yield srv
+
+
+def bench(server, capsys, *flags: str) -> dict:
+    code = cli.main(["bench", "serve", "--base-url", f"{server.base}/acme/v1", "--api-key", ACME_KEY, "--json",
+                     *flags])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_random_workload_reports_cache_hits_for_a_shared_prefix(server, capsys):
+    flags = ["--input-len", "256", "--output-len", "8", "--num-requests", "6", "--concurrency", "2"]
+    shared = bench(server, capsys, *flags, "--prefix-ratio", "0.75", "--warmup", "1")
+    assert shared["model"] == "demo" and shared["vocab_size"] == 4096  # from GET /v1/models and the model
+    assert (shared["requests"], shared["completed"], shared["failed"]) == (6, 6, 0)
+    assert shared["prompt_tokens"] == 6 * 256
+    # The warm-up computed the 192 shared tokens: every measured request can reuse them, never its own suffix.
+    assert 0 < shared["cached_share"] <= 0.75
+    assert 0 < shared["output_tokens"] <= 6 * 8 and shared["output_tokens_per_s"] > 0
+    assert 0 < shared["ttft_ms"]["p50"] <= shared["e2e_ms"]["p99"]
+    cold = bench(server, capsys, *flags, "--seed", "1")
+    assert cold["completed"] == 6 and cold["cached_share"] == 0.0
+
+
+def test_multi_turn_chat_reuses_earlier_turns(server, capsys):
+    r = bench(server, capsys, "--workload", "multi-turn", "--prompt-format", "chat", "--conversations", "2",
+              "--turns", "3", "--input-len", "48", "--turn-len", "8", "--output-len", "4", "--concurrency", "2")
+    assert (r["requests"], r["completed"]) == (6, 6)
+    assert r["cached_share"] > 0 and r["output_tokens_per_s"] > 0
+
+
+def test_trace_replay_sends_the_trace_prompts(server, capsys):
+    entries = load_trace(TRACE, max_requests=4)
+    r = bench(server, capsys, "--workload", "trace", "--trace", str(TRACE), "--max-requests", "4",
+              "--trace-block-size", "64", "--time-scale", "0", "--concurrency", "1", "--output-len", "4",
+              "--seed", "2")
+    assert (r["requests"], r["completed"]) == (4, 4)
+    assert r["prompt_tokens"] == sum(math.ceil(e.input_length * 64 / 512) for e in entries)
+    # Hash id 0 (the trace's system prompt, 64 tokens here) starts every request: the later ones reuse it.
+    assert r["cached_share"] > 0
