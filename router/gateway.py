@@ -64,6 +64,7 @@ MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
 # restarting holds calls until it is back, seconds later)...
 ROUTE_TIMEOUT_S = 0.5
 LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
+HEDGE_DELAY_S = 0.05  # a replica routes in about a millisecond: one silent for longer is not waited on alone
 ROUTER_COOLDOWN_S = 10.0  # a replica that failed is tried last for this long (Ray restarts it meanwhile)
 GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gateway ask its group's health
 HEALTH_TIMEOUT_S = 10.0
@@ -446,31 +447,65 @@ class Gateway:
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
     async def _route(self, t: _Tenant, prompt: list[int], attempt: str, failed: list[str], api: str):
-        """(router replica, decision) from the next replica that routes the request. A dead, restarting or stuck
-        replica is skipped, and so is one that knows no group yet (just restarted: the supervisor hands it the
-        groups within a second). 503 when none routes it (a retry a moment later works)."""
+        """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
+        not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too, and the first
+        decision wins; every other replica asked is told to forget the route (it may have made it too), so no
+        replica counts the request but the one that serves it. A dead, restarting or stuck replica is skipped,
+        and so is one that knows no group yet (just restarted: the supervisor hands it the groups within a
+        second). 503 when none routes it (a retry a moment later works)."""
         n = len(self.routers)
         self._next_router = (self._next_router + 1) % n
         now = time.monotonic()
         order = sorted(((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
                        key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S)
+        pending: dict[asyncio.Future, int] = {}  # call -> position in ``order``
+        asked = 0  # replicas asked so far: order[:asked]
         no_group: str | None = None
-        for k, j in enumerate(order):
-            router = self.routers[j]
-            timeout_s = ROUTE_TIMEOUT_S if k < n - 1 else LAST_ROUTE_TIMEOUT_S
-            try:
-                return router, await _bounded(router.route.remote(t.name, prompt, attempt, failed), timeout_s)
-            except asyncio.CancelledError:  # the client left while the replica may have routed it already
-                router.on_finish.remote(attempt)
-                raise
-            except (RayActorError, asyncio.TimeoutError):
-                self._router_failed_at[j] = time.monotonic()
-                router.on_finish.remote(attempt)  # in case it did route it: its queue estimate forgets it
-            except RayError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, Overloaded):
-                    raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
-                no_group = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+        won: int | None = None
+
+        def ask() -> None:
+            nonlocal asked
+            timeout_s = ROUTE_TIMEOUT_S if asked < n - 1 else LAST_ROUTE_TIMEOUT_S
+            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed)
+            pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
+            asked += 1
+
+        ask()
+        try:
+            while pending:
+                hedge = HEDGE_DELAY_S if asked < n else None
+                done, _ = await asyncio.wait(pending, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    ask()  # the replicas asked so far are slow: ask the next one too
+                    continue
+                for call in done:
+                    k = pending.pop(call)
+                    j = order[k]
+                    try:
+                        decision = call.result()
+                    except (RayActorError, asyncio.TimeoutError):
+                        self._router_failed_at[j] = time.monotonic()
+                        self.routers[j].on_finish.remote(attempt)  # in case it did route it
+                    except RayError as exc:
+                        cause = getattr(exc, "cause", None)
+                        if isinstance(cause, Overloaded):
+                            raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
+                        no_group = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+                    else:
+                        won = k
+                        return self.routers[j], decision
+                if asked < n:
+                    ask()  # what came back were failures: the next replica, without waiting
+        finally:
+            # The others asked (all of them when the client left or no decision came): they may have routed the
+            # request, so they forget it. One asked before the winner and still silent is slow or dead (a killed
+            # replica holds calls until Ray has restarted it): it is tried last for a while.
+            for call, k in pending.items():
+                call.cancel()
+                call.add_done_callback(lambda c: c.cancelled() or c.exception())  # its late failure is expected
+                self.routers[order[k]].on_finish.remote(attempt)
+                if won is not None and k < won:
+                    self._router_failed_at[order[k]] = time.monotonic()
         if no_group is not None:
             raise _err(503, f"no worker group available ({no_group}); retry shortly", api)
         raise _err(503, "no router replica is available; retry shortly", api, ROUTER_RETRY_AFTER_S)

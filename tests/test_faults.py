@@ -35,9 +35,8 @@ REDIS_DOWN_S = 6.0  # Redis stays killed (or paused) this long
 P99_FACTOR = 3.0
 # Kinds that recover without a lost request but not yet within the p99 target (printed, not asserted; see the
 # README): a killed gateway replica keeps receiving requests from Serve's proxy for ~2 s until the proxy sees it
-# died (those wait, p99 ~2 s); a killed router replica holds route calls while Ray restarts it, until the
-# gateway's 0.5 s failover (p99 ~0.7-0.8 s against ~0.66 s).
-P99_KNOWN_GAPS = {"gateway", "router"}
+# died (those wait, p99 ~2 s).
+P99_KNOWN_GAPS = {"gateway"}
 TENANTS = {"acme": ("openai", ACME_KEY), "globex": ("anthropic", GLOBEX_KEY)}
 
 
