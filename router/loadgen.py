@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 PROMPT_FORMATS = ("tokens", "text", "chat")
 WORKLOADS = ("random", "multi-turn", "trace")
@@ -404,16 +405,15 @@ def _jobs(args: Any, src: TokenSource, output_len: int, trace: list[TraceEntry])
                 answer_ids=lambda turn, c=c: src.tokens(f"conv/{c}/answer/{turn}", output_len))
             for c, (t, p) in enumerate(zip(at, firsts))
         ]
+    start = trace[0].timestamp_s  # a cut of a longer trace starts where it was cut
     return warm, [
-        Job(e.timestamp_s * args.time_scale,
+        Job((e.timestamp_s - start) * args.time_scale,
             Prompt(src.trace_prompt(e, args.trace_block_size), args.output_len or e.output_length, fmt))
         for e in trace
     ]
 
 
 def run(args: Any) -> int:
-    from tqdm import tqdm
-
     _check(args)
     trace = load_trace(args.trace, args.max_requests) if args.trace else []  # bad input fails before any request
     base_url = args.base_url.rstrip("/")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from harness import ACME_KEY, TWO_TENANTS, free_port, serving
 
-from router import cli
+from router import cli, loadgen
 from router.loadgen import (Prompt, Result, TokenSource, TraceEntry, load_trace, percentile, poisson_offsets,
                             random_prompts, summarise, words)
 
@@ -58,6 +58,27 @@ def test_trace_prompts_equal_hash_ids_give_equal_blocks():
     # In a trace that reuses ids, the blocks are the same wherever they appear.
     pc = src.trace_prompt(TraceEntry(0.0, 600, 10, (2, 0)), 16)
     assert pc[:16] == src.block(2, 16) and pc[:15] == pa[32:47] and pc[16:] == pa[: len(pc) - 16]
+
+
+def test_trace_jobs_keep_the_trace_pace_scaled_from_its_first_request(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": ms, "input_length": 600, "output_length": out,
+                                        "hash_ids": [0, i + 1]}) + "\n"
+                            for i, (ms, out) in enumerate([(4000, 7), (7000, 9), (10000, 11)])))
+
+    def jobs(*flags: str):
+        args = cli.build_parser().parse_args(["bench", "serve", "--workload", "trace", "--trace", str(path), *flags])
+        trace = load_trace(args.trace, args.max_requests)
+        return loadgen._jobs(args, TokenSource(4096, 0), 128, trace)[1]
+
+    own_pace = jobs()
+    assert [j.at for j in own_pace] == [0.0, 3.0, 6.0]  # seconds after the cut's first request
+    assert [j.prompt.output_len for j in own_pace] == [7, 9, 11]  # the trace's own lengths
+    assert all(len(j.prompt.ids) == 600 for j in own_pace)
+    faster = jobs("--time-scale", "0.1", "--max-requests", "2", "--output-len", "3", "--trace-block-size", "64")
+    assert [j.at for j in faster] == pytest.approx([0.0, 0.3])
+    assert [j.prompt.output_len for j in faster] == [3, 3]
+    assert [len(j.prompt.ids) for j in faster] == [math.ceil(600 * 64 / 512)] * 2
 
 
 # -- prompts -----------------------------------------------------------------------------------------------------
