@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -124,6 +125,8 @@ class ServeConfig(_Strict):
     admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API
     redis_timeout_s: float = Field(1.0, gt=0, le=60)  # past it a Redis call fails (503) instead of waiting
     step_timeout_s: float = Field(60.0, gt=0)  # a group whose step runs longer has failed (a hung rank)
+    # Threads each rank computes its steps with (default: this machine's cores over the groups' ranks, >= 1).
+    cpus_per_rank: int | None = Field(None, ge=1)
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")
@@ -164,6 +167,12 @@ class ServeConfig(_Strict):
     @property
     def group_limit(self) -> int:
         return self.max_groups or 2 * self.groups
+
+    @property
+    def rank_threads(self) -> int:
+        if self.cpus_per_rank is not None:
+            return self.cpus_per_rank
+        return max(1, (os.cpu_count() or 1) // (self.groups * self.tensor_parallel))
 
 
 def load_config(path: str | Path) -> ServeConfig:

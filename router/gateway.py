@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayError
 from common.config import ServeConfig, TenantConfig, parse_duration
 from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
+from common.protocol import GroupLink, GroupUnhealthyError, RequestAborted, RequestFailed, Submit
 from common.sampling import SamplingParams
 from router.apis import (
     MAX_BODY_BYTES,
@@ -190,21 +191,19 @@ class _SlotStream(StreamingResponse):
                 self.slot.release()
 
 
-def _failure(exc: RayError, group: str, api: str) -> Exception:
+def _failure(exc: Exception, group: str, api: str) -> Exception:
     """What a failed output of a group means: a bad request (400), an abort (503), the group itself failing (a
     retry elsewhere), or an error of this one request (500; the group keeps serving everyone else)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, ValueError):
-        return _err(400, str(cause), api)
-    name = type(cause).__name__
-    if name == "RequestAborted":
+    if isinstance(exc, ValueError):
+        return _err(400, str(exc), api)
+    if isinstance(exc, RequestAborted):
         return _err(503, "the request was aborted on its worker group; retry it", api)
-    if name == "RequestFailed":  # the engine failed this request alone; its group keeps serving
-        return ApiError(500, f"the request failed on worker group {group} ({cause}); the service keeps serving, "
+    if isinstance(exc, RequestFailed):  # the engine failed this request alone; its group keeps serving
+        return ApiError(500, f"the request failed on worker group {group} ({exc}); the service keeps serving, "
                         "retry it or change its parameters", "api_error", api)
-    if isinstance(exc, RayActorError) or name == "GroupUnhealthyError":
-        return _GroupFailed(f"{type(exc).__name__}: {cause or exc}")
-    return ApiError(500, f"internal error in worker group {group} ({name or type(exc).__name__})", "api_error", api)
+    if isinstance(exc, GroupUnhealthyError):
+        return _GroupFailed(f"{type(exc).__name__}: {exc}")
+    return ApiError(500, f"internal error in worker group {group} ({type(exc).__name__})", "api_error", api)
 
 
 def _no_account(out: RequestOutput, predicted: int) -> None:
@@ -273,38 +272,30 @@ async def _bounded(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-async def _outputs(gen, decision, api: str) -> AsyncIterator[RequestOutput]:
-    """A group's outputs for one request. A request may wait in a busy group's queue for long, so silence alone
-    is no failure: every ``GROUP_SILENCE_S`` without output the leader is asked whether the group is healthy (a
-    hung step fails it after ``step_timeout_s``); a group that is unhealthy or does not answer has failed."""
-    pending = asyncio.ensure_future(gen.__anext__())
+async def _outputs(link: GroupLink, req: Submit, decision, api: str) -> AsyncIterator[RequestOutput]:
+    """A group's outputs for one request, its errors as the gateway answers them. A request may wait in a busy
+    group's queue for long, so silence alone is no failure: every ``GROUP_SILENCE_S`` without output the leader
+    is asked whether the group is healthy (a hung step fails it after ``step_timeout_s``); a group that is
+    unhealthy or does not answer has failed."""
+
+    async def silent() -> None:
+        try:
+            reason = await _bounded(decision.leader.health.remote(), HEALTH_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError) as exc:
+            reason = f"no output for {GROUP_SILENCE_S:.0f} s and no health answer ({type(exc).__name__})"
+        if reason is not None:
+            raise _GroupFailed(reason)
+
+    stream = link.stream(req, silent, GROUP_SILENCE_S)
     try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=GROUP_SILENCE_S)
-            if not done:
-                try:
-                    reason = await _bounded(decision.leader.health.remote(), HEALTH_TIMEOUT_S)
-                except (RayError, asyncio.TimeoutError) as exc:
-                    reason = f"no output for {GROUP_SILENCE_S:.0f} s and no health answer ({type(exc).__name__})"
-                if reason is None:
-                    continue
-                raise _GroupFailed(reason)
-            try:
-                ref = pending.result()
-            except StopAsyncIteration:
-                return
-            except RayError as exc:
-                raise _failure(exc, decision.group, api) from None
-            try:
-                out = await _bounded(ref, HEALTH_TIMEOUT_S)  # the generator yields a ref once it is ready
-            except asyncio.TimeoutError:
-                raise _GroupFailed("an output could not be fetched") from None
-            except RayError as exc:
-                raise _failure(exc, decision.group, api) from None
+        async for out in stream:
             yield out
-            pending = asyncio.ensure_future(gen.__anext__())
-    finally:
-        pending.cancel()
+    except _GroupFailed:
+        raise
+    except Exception as exc:
+        raise _failure(exc, decision.group, api) from None
+    finally:  # a consumer that stops early aborts the request now, not when the stream is collected
+        await stream.aclose()
 
 
 def _stop_reason(out: RequestOutput) -> str:
@@ -337,6 +328,7 @@ class Gateway:
         self.tenants = {t.name: _Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
                         for t in config.tenants}
         self._background: set[asyncio.Task] = set()
+        self._links: dict[str, GroupLink] = {}  # group -> this replica's subscription to its leader
 
     async def __del__(self) -> None:
         """Serve calls this when the replica stops: write the usage still buffered (Redis permitting)."""
@@ -516,7 +508,7 @@ class Gateway:
     ) -> AsyncIterator[tuple[RequestOutput, int]]:
         """Route and run one request; yields (output, tokens the router expected cached). However it ends
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
-        once, and an unfinished request is aborted on its group.
+        once, and an unfinished request is aborted on its group (by its ``GroupLink`` stream).
 
         A group that fails (or is silent and unhealthy, see ``_outputs``) is reported to the routers (which route
         nothing more to it) and the request is retried on another group, as long as nothing has been yielded
@@ -530,8 +522,8 @@ class Gateway:
             yielded = finished = False
             try:
                 router, decision = await self._route(t, prompt, attempt, failed, api)
-                gen = decision.leader.generate.remote(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
-                async for out in _outputs(gen, decision, api):
+                req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
+                async for out in _outputs(self._link(decision), req, decision, api):
                     if not finished and len(out.token_ids) == len(out.new_token_ids):
                         router.on_prefill_done.remote(attempt)
                     finished = out.finished
@@ -551,10 +543,16 @@ class Gateway:
             finally:
                 if router is not None:
                     router.on_finish.remote(attempt)  # also when the client left during routing
-                if decision is not None and not finished:
-                    decision.leader.abort.remote(attempt)
                 if out is not None:
                     account(out, decision.cached_tokens)
+
+    def _link(self, decision) -> GroupLink:
+        """This replica's one subscription to the decision's group (a new one for a restarted group's new leader,
+        or after the old one failed): the deltas of all its requests there arrive together, once per step."""
+        link = self._links.get(decision.group)
+        if link is None or link.closed or link.leader != decision.leader:
+            link = self._links[decision.group] = GroupLink(decision.group, decision.leader)
+        return link
 
     def _account(self, t: _Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0,
                  read: int = 0) -> None:

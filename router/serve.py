@@ -51,6 +51,9 @@ def _redacted(url: str) -> str:
 
 SUPERVISOR_NAME = "kvgrid-supervisor"  # a restarted router replica asks it for the groups
 FRONTEND_RESOURCE = "kvgrid_frontend"  # marks the CPU nodes for gateways and the router (cluster.yaml)
+# Serve's controller learns that a gateway replica died only from its next health check (Serve's default period
+# is 10 s): until then it neither starts a replacement nor tells the proxies. A check is one tiny call.
+GATEWAY_HEALTH_CHECK_PERIOD_S = 1.0
 
 
 def frontend_actor_options() -> dict:
@@ -109,7 +112,8 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
                 tenant_shares={t.name: t.cache.share for t in cfg.tenants}, supervisor=SUPERVISOR_NAME)
             for i in range(cfg.router_replicas)
         ]
-        template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url)
+        template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url,
+                               cpus_per_rank=cfg.rank_threads)
         # Ray restarts a dead supervisor, which adopts the running groups; its calls (scale to N, describe,
         # shutdown) are safe to run again, so a call it died in is retried on the new one.
         supervisor = ray.remote(Supervisor).options(
@@ -124,6 +128,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
             t.model_copy(update={"api_keys": []}) for t in cfg.tenants]})
         ongoing = cfg.http.max_ongoing_requests
         app = Gateway.options(name="kvgrid-gateway", num_replicas=cfg.http.replicas, max_ongoing_requests=ongoing,
+                              health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
                               ray_actor_options=front).bind(public, keys, model_path, routers, url)
         serve.run(app, name="kvgrid", route_prefix="/", blocking=False)
         if cfg.admin_keys:

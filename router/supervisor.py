@@ -25,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from common.event_stream import stream_client
+from common.protocol import Submit, iter_outputs
 from common.sampling import SamplingParams
 from router.service import restarted
 from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
@@ -214,9 +215,9 @@ class Supervisor:
                 decision = ray.get(self.router.route.remote(tenant, tokens, None, [name]), timeout=30)
                 try:
                     params = SamplingParams(max_tokens=1, temperature=0.0)
-                    for ref in decision.leader.generate.remote(tokens, params, tenant, decision.request_id,
-                                                               len(tokens), ttl_s):
-                        ray.get(ref, timeout=RECOMPUTE_TIMEOUT_S)
+                    req = Submit(tokens, params, tenant, decision.request_id, len(tokens), ttl_s)
+                    for _ in iter_outputs(decision.leader, req, decision.group, RECOMPUTE_TIMEOUT_S):
+                        pass
                 finally:
                     self.router.on_finish.remote(decision.request_id)
                 moved.add((tenant, tuple(tokens)))

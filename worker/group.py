@@ -10,13 +10,15 @@ requests with ``GroupUnhealthyError``, and ``restart()`` brings it back as a who
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import socket
-import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -31,21 +33,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.events import AllCleared, BlockStored, EventLog, KVEvent
 from common.outputs import RequestOutput
+from common.protocol import (
+    HEARTBEAT_S,
+    Delta,
+    GroupLink,
+    GroupUnhealthyError,
+    RequestAborted,  # noqa: F401  (callers import the group's errors from here)
+    RequestFailed,  # noqa: F401
+    Submit,
+    group_error,
+    iter_outputs,
+)
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted on the group (by another caller) before it finished."""
-
-
-class GroupUnhealthyError(RuntimeError):
-    """The group lost a rank (or its leader failed); its requests fail and it must be restarted."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed this one request (sampling, detokenizing or stop checking it raised); the group and
-    every other request keep running."""
 
 
 @dataclass
@@ -57,21 +57,51 @@ class GroupConfig:
     event_stream_url: str | None = None  # also publish KV events to this Redis (one stream per group)
     start_timeout_s: float = 300.0
     accelerator: str | None = None  # resource each rank takes one of: "GPU" with use_gpu, or a custom one
+    # Intra-op threads each rank computes its steps with. Ray reserves one CPU per rank whatever this is, so
+    # groups stay placeable on a small machine; size it to the cores the node really has for its ranks.
+    cpus_per_rank: int = 1
+
+
+class _Subscriber:
+    """Deltas waiting for one reader of the leader (a subscription, or one request's own stream)."""
+
+    __slots__ = ("pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending: list[Delta] = []
+        self.wake = asyncio.Event()
+
+    def push(self, delta: Delta) -> None:
+        self.pending.append(delta)
+        self.wake.set()
 
 
 class RankActor:
-    """One rank of a group. Rank 0 runs the engine; the others follow its step plans."""
+    """One rank of a group. Rank 0 runs the engine; the others follow its step plans.
 
-    def __init__(self, rank: int, world: int) -> None:
+    Every engine call runs on one dedicated thread, in the order the calls came (a submit and the abort sent
+    right after it cannot swap), and the step computes with ``threads`` intra-op threads: under OpenMP the
+    thread count is per OS thread, so it is set in that thread, not in the actor."""
+
+    def __init__(self, rank: int, world: int, threads: int = 1) -> None:
         self.rank, self.world = rank, world
         self.engine: Engine | None = None
         self.events = EventLog()
         self.error: str | None = None
-        self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self.step_threads: int | None = None  # what the engine thread computes with, once it has started
+        self._engine_thread = ThreadPoolExecutor(1, "kvgrid-engine", self._set_threads, (threads,))
+        self._subs: dict[str, _Subscriber] = {}
+        self._owner: dict[str, _Subscriber] = {}  # request id -> who reads its deltas
+        self._background: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self.step_timeout_s = 60.0
         self._step_started: float | None = None  # monotonic time the running step began
+
+    def _set_threads(self, n: int) -> None:
+        import torch
+
+        torch.set_num_threads(n)
+        self.step_threads = torch.get_num_threads()
 
     def address(self) -> str:
         """A free TCP address on this node for the group's rendezvous (asked of rank 0 only)."""
@@ -103,118 +133,190 @@ class RankActor:
         return {"rank": self.rank, "kv_shape": list(kv.shape), "kv_bytes": kv.numel() * kv.element_size()}
 
     async def follow(self) -> None:
-        """Ranks > 0: compute every plan rank 0 broadcasts, until it says stop (or the group breaks). In a
-        thread, so the rank still answers ``info`` and ``health`` meanwhile."""
-        await asyncio.to_thread(self.runner.follow)
+        """Ranks > 0: compute every plan rank 0 broadcasts, until it says stop (or the group breaks). On the
+        engine thread, so the rank still answers ``info`` and ``health`` meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.runner.follow)
 
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        tenant: str,
-        request_id: str | None,
-        pin_tokens: int = 0,
-        pin_ttl_s: float = 300.0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[Delta]]:
+        """The deltas of every request submitted under ``subscriber``: at most one message per engine step (an
+        empty one first, once it is registered, and every ``HEARTBEAT_S`` when idle). When it ends (the group
+        failed, or Ray closed it because its reader died) its unfinished requests are aborted."""
         if self.error is not None:
             raise GroupUnhealthyError(self.error)
-        assert self.engine is not None, "generate() goes to rank 0"
+        if subscriber in self._subs:
+            raise ValueError(f"subscription {subscriber!r} already exists")
+        sub = self._subs[subscriber] = _Subscriber()
+        try:
+            yield []
+            while True:
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    pass
+                batch = self._take(sub)
+                if self.error is not None:
+                    raise GroupUnhealthyError(self.error)
+                yield batch
+        finally:
+            self._close(subscriber, sub)
+
+    async def submit(self, subscriber: str, req: Submit) -> str:
+        """Start a request whose deltas go to ``subscriber``'s subscription; returns its id."""
+        sub = self._subs.get(subscriber)
+        if sub is None and self.error is None:
+            raise GroupUnhealthyError(f"subscription {subscriber!r} is closed")
+        return await self._submit(sub, req)
+
+    async def generate(self, req: Submit) -> AsyncIterator[list[Delta]]:
+        """One request's deltas on a stream of its own (for blocking callers, see ``iter_outputs``)."""
+        key = f"req-stream-{uuid.uuid4().hex}"
+        sub = self._subs[key] = _Subscriber()
+        try:
+            await self._submit(sub, req)
+            finished = False
+            while not finished:
+                await sub.wake.wait()
+                batch = self._take(sub)
+                if self.error is not None:
+                    raise GroupUnhealthyError(self.error)
+                finished = any(d.finished for d in batch)
+                yield batch
+        finally:
+            self._close(key, sub)
+
+    async def _submit(self, sub: _Subscriber | None, req: Submit) -> str:
+        if self.error is not None:
+            raise GroupUnhealthyError(self.error)
+        assert self.engine is not None and sub is not None, "requests go to rank 0"
         if self._wake is None:
             self._wake = asyncio.Event()
-            asyncio.get_running_loop().create_task(self._step_loop())
-        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        if rid in self._queues:
+            self._spawn(self._step_loop())
+        rid = req.request_id if req.request_id is not None else f"req-{uuid.uuid4().hex}"
+        if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue  # before the engine knows it: an abort right after always finds the queue
+        self._owner[rid] = sub  # before the engine knows it: its first delta always finds its reader
         try:
-            await self._locked(self.engine.add_request, prompt, params, tenant, rid, pin_tokens, pin_ttl_s)
+            await self._run(self.engine.add_request, req.prompt, req.params, req.tenant, rid, req.pin_tokens,
+                            req.pin_ttl_s)
         except BaseException:
-            self._queues.pop(rid, None)
+            self._owner.pop(rid, None)
             raise
         self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailed(f"request {rid} failed: {item.error}")
-                yield item
-        finally:
-            self._queues.pop(rid, None)
-            if not finished and self.error is None:
-                await self._locked(self.engine.abort, rid)
+        return rid
 
-    def _call_locked(self, fn, *args):
-        # A step stuck in a collective holds the lock for good: once the group is failed, waiters give up.
-        while not self._lock.acquire(timeout=0.5):
-            if self.error is not None:
-                raise GroupUnhealthyError(self.error)
-        try:
-            return fn(*args)
-        finally:
-            self._lock.release()
+    @staticmethod
+    def _take(sub: _Subscriber) -> list[Delta]:
+        sub.wake.clear()
+        batch, sub.pending = sub.pending, []
+        return batch
+
+    def _close(self, key: str, sub: _Subscriber) -> None:
+        """Forget a reader that is gone and abort its unfinished requests (in a task: this runs in a generator's
+        ``finally``, where Ray may be closing it)."""
+        self._subs.pop(key, None)
+        orphans = [rid for rid, owner in self._owner.items() if owner is sub]
+        for rid in orphans:
+            del self._owner[rid]
+        if orphans and self.error is None:
+            self._spawn(self._abort_all(orphans))
+
+    async def _abort_all(self, request_ids: list[str]) -> None:
+        assert self.engine is not None
+        for rid in request_ids:
+            try:
+                await self._run(self.engine.abort, rid)
+            except GroupUnhealthyError:
+                return
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _call_engine(self, fn, *args):
+        """``fn(*args)`` on the engine thread, from another thread; gives up once the group has failed (a step
+        stuck in a collective holds that thread for good)."""
+        future = self._engine_thread.submit(fn, *args)
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if self.error is not None:
+                    raise GroupUnhealthyError(self.error) from None
 
     def _keys(self) -> list[bytes]:
-        """Every key the pool holds, read under the engine lock (the event writer's snapshot, from its thread)."""
+        """Every key the pool holds, read on the engine thread (the event writer's snapshot, from its thread)."""
         assert self.engine is not None
-        return self._call_locked(lambda: list(self.engine.kv.pool.key_to_block))
+        return self._call_engine(lambda: list(self.engine.kv.pool.key_to_block))
 
-    async def _locked(self, fn, *args):
-        """Run ``fn`` under the engine lock from a worker thread: the event loop never waits on a step (so
-        ``health`` and ``mark_unhealthy`` answer even while a step hangs in a collective)."""
-        return await asyncio.to_thread(self._call_locked, fn, *args)
+    async def _run(self, fn, *args):
+        """``fn(*args)`` on the engine thread: the event loop never waits on a step (so ``health`` and
+        ``mark_unhealthy`` answer even while a step hangs in a collective)."""
+        future = asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.5)
+            if done:
+                return future.result()
+            if self.error is not None:
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
+                raise GroupUnhealthyError(self.error)
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._wake is not None
+        loop = asyncio.get_running_loop()
         while self.error is None:
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._step_started = time.monotonic()
-            step = asyncio.ensure_future(self._locked(self.engine.step))
+            step = loop.run_in_executor(self._engine_thread, self.engine.step)
             try:
                 # shield: on timeout the step's thread cannot be stopped, only given up on
                 outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
             except asyncio.TimeoutError:
                 self.mark_unhealthy(self._stuck_reason())
-                step.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late error is expected
+                step.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
                 return
             except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
                 self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
                 return
             finally:
                 self._step_started = None
+            touched = set()
             for out in outs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                sub = self._owner.get(out.request_id)
+                if sub is None:  # aborted meanwhile
+                    continue
+                if out.finished:
+                    del self._owner[out.request_id]
+                sub.pending.append(Delta.of(out))
+                touched.add(sub)
+            for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
+                sub.wake.set()
 
     def mark_unhealthy(self, reason: str) -> None:
         """Fail every in-flight request; later requests are refused until the group is restarted."""
         if self.error is None:
             self.error = reason
-        for queue in self._queues.values():
-            queue.put_nowait(GroupUnhealthyError(self.error))
+        for sub in self._subs.values():
+            sub.wake.set()
 
     async def abort(self, request_id: str) -> bool:
-        """Stop a request; a caller still waiting on its outputs gets ``RequestAborted`` instead of waiting forever."""
+        """Stop a request; a reader still waiting on its outputs gets ``RequestAborted`` instead of waiting
+        forever."""
         assert self.engine is not None
-        done = await self._locked(self.engine.abort, request_id)
-        queue = self._queues.get(request_id)
-        if done and queue is not None:
-            queue.put_nowait(RequestAborted(f"request {request_id} was aborted"))
+        done = await self._run(self.engine.abort, request_id)
+        sub = self._owner.pop(request_id, None)
+        if done and sub is not None:
+            sub.push(Delta.abort(request_id))
         return done
 
     async def stats(self) -> EngineStats:
         assert self.engine is not None
-        return await self._locked(self.engine.stats)
+        return await self._run(self.engine.stats)
 
     async def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
         """KV events from ``offset`` on, and the offset to ask for next. A reader that fell too far behind
@@ -241,20 +343,20 @@ class RankActor:
         """Where this rank runs (for operators and tests)."""
         import os
 
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "step_threads": self.step_threads}
 
     async def pinned_entries(self) -> list[tuple[str, list[int], float]]:
         """Explicit cache entries pinned in this group: (tenant, prompt tokens, seconds left)."""
         assert self.engine is not None
-        return await self._locked(self.engine.pinned_entries)
+        return await self._run(self.engine.pinned_entries)
 
     def shutdown(self) -> None:
         """Tell the other ranks to stop following (they return from ``follow``)."""
         from worker.distributed import send_plan
 
         if self.error is None and self.world > 1:
-            with self._lock:
-                send_plan(None)
+            self._call_engine(send_plan, None)
 
 
 class WorkerGroup:
@@ -268,6 +370,7 @@ class WorkerGroup:
         self.rank_info: list[dict] = []
         self._pg = None
         self._follows: list = []
+        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its GroupLink
         if start:
             self.start()
 
@@ -349,7 +452,7 @@ class WorkerGroup:
                 name=rank_name(cfg.name, r),
                 lifetime="detached",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
-            ).remote(r, cfg.tp)
+            ).remote(r, cfg.tp, cfg.cpus_per_rank)
             for r in range(cfg.tp)
         ]
         init_method = ray.get(self.leader.address.remote(), timeout=cfg.start_timeout_s)
@@ -430,11 +533,8 @@ class WorkerGroup:
         pin_ttl_s: float = 300.0,
     ) -> Iterator[RequestOutput]:
         """Outputs of one request as the group produces them (blocking iterator)."""
-        gen = self.leader.generate.remote(
-            list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s
-        )
-        for ref in gen:
-            yield self._unwrap(lambda: ray.get(ref))
+        req = Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
+        return iter_outputs(self.leader, req, self.name)
 
     async def astream(
         self,
@@ -445,27 +545,21 @@ class WorkerGroup:
         pin_tokens: int = 0,
         pin_ttl_s: float = 300.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the group produces them (for the router's event loop)."""
-        gen = self.leader.generate.remote(
-            list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s
-        )
-        async for ref in gen:
-            try:
-                yield await ref
-            except (RayActorError, RayTaskError) as exc:
-                raise self._translate(exc) from exc
+        """Outputs of one request as the group produces them, over this event loop's one subscription to the
+        leader (what a gateway replica does)."""
+        loop = asyncio.get_running_loop()
+        link = self._links.get(loop)
+        if link is None or link.closed or link.leader != self.leader:  # first use, failed, or a restarted group
+            link = self._links[loop] = GroupLink(self.name, self.leader)
+        req = Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
+        async for out in link.stream(req):
+            yield out
 
     def _unwrap(self, get):
         try:
             return get()
         except (RayActorError, RayTaskError) as exc:
-            raise self._translate(exc) from exc
-
-    def _translate(self, exc: Exception) -> Exception:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, (GroupUnhealthyError, RequestFailed, ValueError)):
-            return cause
-        return GroupUnhealthyError(f"worker group {self.name!r} failed: {type(exc).__name__}")
+            raise group_error(exc, self.name) from exc
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, tenant: str = "default") -> RequestOutput:
         """Run one request to completion."""

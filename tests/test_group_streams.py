@@ -1,0 +1,184 @@
+"""The leader <-> caller protocol on a real local Ray: one subscription per caller carries every request's deltas,
+once per step; outputs equal the one-request path; failures, aborts and dead subscribers end requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from common.sampling import SamplingParams
+from worker.engine import EngineConfig
+
+LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=128 * 2**20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(ray_local, demo_path):
+    from worker.group import GroupConfig, WorkerGroup
+
+    g = WorkerGroup(GroupConfig("g-streams", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"),
+                                cpus_per_rank=2))
+    yield g
+    g.shutdown()
+
+
+def wait_idle(group, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (s := group.stats()).running + s.waiting:
+        assert time.monotonic() < deadline, f"{s.running} running and {s.waiting} waiting were never aborted"
+        time.sleep(0.1)
+
+
+def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_batched(group):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(4, 80))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randrange(3, 30), temperature=0.0, ignore_eos=i % 2 == 0,
+                             logprobs=2 if i % 3 == 0 else None) for i in range(24)]
+    probe = group.generate(prompts[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    params[0] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[probe.text[8:11]])
+    params[1] = SamplingParams(max_tokens=12, temperature=0.7, seed=11)
+    one_by_one = [group.generate(p, sp) for p, sp in zip(prompts, params)]
+    assert one_by_one[0].finish_reason == "stop" and one_by_one[0].stop_reason == probe.text[8:11]
+
+    async def collect(p, sp):
+        outs = [out async for out in group.astream(p, sp, tenant="acme")]
+        return outs
+
+    async def together():
+        runs = await asyncio.gather(*(collect(p, sp) for p, sp in zip(prompts, params)))
+        return runs, group._links[asyncio.get_running_loop()]
+
+    runs, link = asyncio.run(together())
+    for outs, ref in zip(runs, one_by_one):
+        last = outs[-1]
+        assert last.finished and [o.finished for o in outs].count(True) == 1
+        assert (last.token_ids, last.text, last.finish_reason, last.stop_reason, last.prompt_token_ids) == (
+            ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason, ref.prompt_token_ids)
+        if ref.logprobs is None:
+            assert last.logprobs is None and last.top_logprobs is None
+        else:  # a batch computes in another order: equal up to float rounding
+            assert last.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert [sorted(t) for t in last.top_logprobs] == [sorted(t) for t in ref.top_logprobs]
+            assert [sorted(t.values()) for t in last.top_logprobs] == [
+                pytest.approx(sorted(t.values()), abs=1e-4) for t in ref.top_logprobs]
+        assert [t for o in outs for t in o.new_token_ids] == last.token_ids
+        assert "".join(o.delta_text for o in outs) == last.text
+    # 24 requests decoding side by side: their deltas share messages (about one per step, not one per token)
+    assert link.deltas >= sum(len(o) for o in runs) and link.messages * 4 < link.deltas
+
+
+def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_subscribes_anew(ray_local, demo_path):
+    from router.gateway import _failure, _GroupFailed
+    from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
+
+    g = WorkerGroup(GroupConfig("g-die", EngineConfig(model=str(demo_path), device="cpu", kv_cache_bytes=2**25)))
+    try:
+        async def run():
+            started = asyncio.Queue()
+
+            async def one(i):
+                async for _ in g.astream([i + 1, 2, 3], LONG):
+                    started.put_nowait(i)
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(6)]
+            seen = set()
+            while len(seen) < 6:
+                seen.add(await started.get())
+            old = g._links[asyncio.get_running_loop()]
+            ray_local.kill(g.leader)
+            return await asyncio.gather(*tasks, return_exceptions=True), old
+
+        results, old = asyncio.run(run())
+        assert all(isinstance(r, GroupUnhealthyError) for r in results), results
+        assert isinstance(_failure(results[0], "g-die", "openai"), _GroupFailed)  # the gateway retries elsewhere
+        g.restart()
+
+        async def again():
+            outs = [o async for o in g.astream([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))]
+            return outs[-1], g._links[asyncio.get_running_loop()]
+
+        last, link = asyncio.run(again())
+        assert last.finished and link is not old and link.leader == g.leader
+    finally:
+        g.shutdown()
+
+
+def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local, group):
+    from common.protocol import GroupLink, Submit
+
+    @ray_local.remote(num_cpus=0)
+    class Client:
+        async def start(self, leader, n: int) -> int:
+            self.link = GroupLink("g-streams", leader)
+            started = asyncio.Queue()
+
+            async def one(i):
+                async for _ in self.link.stream(Submit([7, 8, i + 1], LONG)):
+                    started.put_nowait(i)
+
+            self.tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+            seen = set()
+            while len(seen) < n:
+                seen.add(await started.get())
+            return os.getpid()
+
+    client = Client.remote()
+    pid = ray_local.get(client.start.remote(group.leader, 5))
+    assert group.stats().running == 5
+    os.kill(pid, signal.SIGKILL)
+    wait_idle(group)
+
+
+def test_closing_a_stream_or_an_abort_by_another_caller_ends_the_request(group):
+    from worker.group import RequestAborted
+
+    async def closed_early():
+        stream = group.astream([9, 9, 9], LONG)
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(closed_early())
+    wait_idle(group)
+    stream = group.stream([4, 4, 4], LONG)
+    next(stream)
+    stream.close()
+    wait_idle(group)
+
+    async def aborted():
+        stream = group.astream([3, 1, 4], LONG, request_id="abort-me")
+        await stream.__anext__()
+        assert await asyncio.to_thread(group.abort, "abort-me")
+        async for _ in stream:
+            pass
+
+    with pytest.raises(RequestAborted):
+        asyncio.run(aborted())
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(group.astream([], LONG).__anext__())
+
+
+def test_steps_run_on_one_thread_with_cpus_per_rank_threads(ray_local, group):
+    from common.config import ServeConfig
+
+    group.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    assert ray_local.get(group.leader.info.remote())["step_threads"] == 2
+    tenants = [{"name": "a", "api_keys": ["sk-a-0001"]}]
+    cores = os.cpu_count() or 1
+    assert ServeConfig(groups=2, tenants=tenants).rank_threads == max(1, cores // 2)
+    assert ServeConfig(groups=cores + 1, tenants=tenants).rank_threads == 1
+    assert ServeConfig(groups=2, cpus_per_rank=3, tenants=tenants).rank_threads == 3
