@@ -65,6 +65,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         device=args.device,
         as_json=args.json,
+        cuda_graphs=args.cuda_graphs,
     )
     return 0
 
@@ -228,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--repeats", type=int, default=5)
     e.add_argument("--device", default="auto")
+    e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on CUDA (to compare with the captured graphs)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)
     t = bsub.add_parser("tp", help="TTFT and decode tokens/s of a worker group per tensor-parallel size (local Ray)")

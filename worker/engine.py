@@ -27,6 +27,7 @@ from common.sampling import SamplingParams
 from worker.attention import get_backend
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.model_runner import ModelRunner
+from worker.output_processor import OutputProcessor
 from worker.sampler import SampleResult, Sampler
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
@@ -34,26 +35,6 @@ from worker.sequence import Sequence
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_ERROR_CHARS = 500
 _log = logging.getLogger("kvgrid.engine")
-
-
-def _stable_len(text: str) -> int:
-    """Length of ``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD), which the next
-    token may still complete into something else."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    return n
-
-
-def _partial_stop(text: str, end: int, stop: str) -> int:
-    """The length of the longest proper prefix of ``stop`` that ``text[:end]`` ends with (0 if none)."""
-    begin = max(0, end - len(stop) + 1)
-    i = text.find(stop[0], begin, end)
-    while i >= 0:
-        if stop.startswith(text[i:end]):
-            return end - i
-        i = text.find(stop[0], i + 1, end)
-    return 0
 
 
 @dataclass
@@ -85,6 +66,8 @@ class EngineConfig:
     # and a listed tenant without a pin limit may pin its weighted part of ``max_pinned_fraction``.
     tenant_shares: dict[str, float] = field(default_factory=dict)
     step_timeout_s: float = 60.0
+    # CUDA, one rank: replay decode steps from CUDA graphs captured at start-up (ignored on CPU).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -132,7 +115,14 @@ def build_runner(config: EngineConfig) -> ModelRunner:
     backend = get_backend(config.attention_backend, device.type)
     runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
+    if config.cuda_graphs:
+        runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(config, mcfg))
     return runner
+
+
+def max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """The longest sequence (prompt and output) the engine serves: the config's limit within the model's."""
+    return min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
 
 
 class Engine:
@@ -142,12 +132,13 @@ class Engine:
         self.model_config = mcfg = self.runner.mcfg
         self.model_path = mcfg.path
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.max_model_len = max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
+        self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
         secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._roots: dict[str, bytes] = {}
@@ -270,8 +261,10 @@ class Engine:
 
     def _advance(self, seq: Sequence, res: SampleResult, now: float) -> RequestOutput:
         try:
-            self._append(seq, res.token_id, res.logprob, res.top, now)
-            return self._output(seq)
+            reason = self.outputs.append(seq, res, now)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            return self.outputs.output(seq)
         except Exception as exc:  # detokenizing or stop checking this one request failed
             return self._fail(seq, exc)
 
@@ -281,21 +274,7 @@ class Engine:
         _log.warning("request %s failed in the step: %s", seq.request_id, seq.error, exc_info=exc)
         self.scheduler.finish(seq, "error")
         seq.finish_reason = "error"  # also when the failure came after a stop condition had finished it
-        return RequestOutput(
-            request_id=seq.request_id,
-            tenant=seq.tenant,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=seq.text[: seq.num_emitted_chars],
-            new_token_ids=[],
-            delta_text="",
-            finished=True,
-            finish_reason="error",
-            num_cached_tokens=seq.num_cached_tokens,
-            num_pinned_tokens=seq.num_pinned_blocks * self.config.block_size,
-            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            error=seq.error,
-        )
+        return self.outputs.failed(seq)
 
     def _pin(self, seq: Sequence, now: float) -> None:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
@@ -334,63 +313,6 @@ class Engine:
     def _prune_pin_entries(self, now: float) -> None:
         for key in [k for k, (_, _, until) in self._pin_entries.items() if until <= now]:
             del self._pin_entries[key]
-
-    def _append(self, seq: Sequence, tok: int, lp: float | None, top: dict[int, float] | None, now: float) -> None:
-        seq.token_ids.append(tok)
-        if lp is not None:
-            seq.logprobs.append(lp)
-            if top is not None:
-                seq.top_logprobs.append(top)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        p = seq.params
-        reason = None
-        if tok in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", tok
-        elif not p.ignore_eos and tok in self.model_config.eos_token_ids:
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        seq.text = text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if p.stop:
-            # Only text after what earlier steps searched can hold a new match, give or take a stop's length.
-            start = max(0, seq.num_stop_checked_chars - max(map(len, p.stop)) + 1)
-            found = min(((i, s) for s in p.stop if (i := text.find(s, start)) >= 0), default=None)
-            if found is not None:
-                seq.text, reason, seq.stop_reason = text[: found[0]], "stop", found[1]
-            seq.num_stop_checked_chars = _stable_len(text)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text
-        if seq.is_finished:
-            final = len(text)
-        else:
-            # Hold back an incomplete UTF-8 character and anything that may still turn into a stop string.
-            final = _stable_len(text)
-            final -= max((_partial_stop(text, final, s) for s in seq.params.stop), default=0)
-        final = max(final, seq.num_emitted_chars)
-        delta, seq.num_emitted_chars = text[seq.num_emitted_chars : final], final
-        new, seq.num_emitted_tokens = seq.output_token_ids[seq.num_emitted_tokens :], seq.num_output_tokens
-        want_lp = seq.params.logprobs is not None
-        return RequestOutput(
-            request_id=seq.request_id,
-            tenant=seq.tenant,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=text,
-            new_token_ids=new,
-            delta_text=delta,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_pinned_tokens=seq.num_pinned_blocks * self.config.block_size,
-            logprobs=list(seq.logprobs) if want_lp else None,
-            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
-            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            stop_reason=seq.stop_reason,
-        )
 
     # -- convenience ------------------------------------------------------------------------------------------
 

@@ -1,7 +1,12 @@
-"""Runs the model for one scheduled step: builds the ragged batch, owns the KV cache tensors."""
+"""Runs the model for one scheduled step: builds the ragged batch, owns the KV cache tensors.
+
+On CUDA (one rank), decode-only steps replay CUDA graphs captured at start-up for a set of batch sizes, the batch
+padded up to the nearest one (``DecodeGraphs``); everything else runs eagerly.
+"""
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 from typing import NamedTuple
 
@@ -72,6 +77,7 @@ class ModelRunner:
         self.model = load_model(mcfg, device, dtype)
         self.kv_cache = torch.empty(0)
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
 
     def allocate_kv_cache(self, num_blocks: int | None, cpu_bytes: int, gpu_fraction: float) -> int:
         """Allocate the paged K/V tensors and return their block count: ``num_blocks`` if given, else what fits
@@ -104,9 +110,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = seq.block_ids
             tables.append(table)
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode: one token, no ranges to build
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start : start + n])
+                pos.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             if start + n == seq.num_tokens:
@@ -116,25 +127,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInputs) -> torch.Tensor:
         """Run the model on a prepared step; returns float32 logits of the sampled rows, in batch order."""
+        if self.graphs is not None and self.graphs.fits(inp):
+            hidden = self.graphs.run(inp)
+        else:
+            hidden = self._forward(inp)
+        if not inp.sample_rows:
+            return hidden.new_empty(0, self.mcfg.vocab_size, dtype=torch.float32)
+        if len(inp.sample_rows) < hidden.shape[0]:  # a decode-only step samples every row: no gather
+            hidden = hidden[torch.tensor(inp.sample_rows, device=self.device)]
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
         dev = self.device
-        width = max(len(t) for t in inp.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inp.block_tables], dtype=torch.int32)
+        n = len(inp.input_ids)
+        # Every per-token and per-sequence vector in one host tensor and one copy to the device, then views.
+        flat = torch.tensor(
+            inp.input_ids + inp.positions + inp.slot_mapping + inp.query_start_loc + inp.seq_lens, dtype=torch.int64
+        )
+        if dev.type != "cpu":
+            flat = flat.pin_memory().to(dev, non_blocking=True)
+        num_seqs = len(inp.seq_lens)
+        input_ids, positions, slots = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        qsl = flat[3 * n : 3 * n + num_seqs + 1].to(torch.int32)
+        seq_lens = flat[3 * n + num_seqs + 1 :].to(torch.int32)
         qlens = [b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])]
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=slots,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=_block_table(inp.block_tables, max(map(len, inp.block_tables))).to(dev),
             max_query_len=max(qlens),
             max_seq_len=max(inp.seq_lens),
             query_lens_cpu=qlens,
             seq_lens_cpu=inp.seq_lens,
         )
-        ctx = ForwardContext(self.backend, self.kv_cache, md)
-        hidden = self.model(torch.tensor(inp.input_ids, device=dev), torch.tensor(inp.positions, device=dev), ctx)
-        if not inp.sample_rows:
-            return hidden.new_empty(0, self.mcfg.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(inp.sample_rows, device=dev)])
+        return self.model(input_ids, positions, ForwardContext(self.backend, self.kv_cache, md))
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA, one rank, a backend whose kernels can be captured); else stay eager."""
+        if self.device.type == "cuda" and tp_size() == 1 and self.backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(self, graph_batch_sizes(max_num_seqs), -(-max_model_len // self.block_size))
+            self.graphs.capture()
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Rank 0's step: plan it, hand the plan to the other ranks, and compute its own shard."""
@@ -146,3 +179,114 @@ class ModelRunner:
         """Ranks > 0: execute rank 0's plans until it sends ``None`` (shutdown)."""
         while (inp := recv_plan()) is not None:
             self.execute(inp)
+
+
+def _block_table(tables: list[list[int]], width: int) -> torch.Tensor:
+    """[len(tables), width] int32, each row padded with block 0."""
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+# -- CUDA graphs for decode steps -------------------------------------------------------------------------------
+
+_MAX_GRAPH_BATCH = 256
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 16, up to ``max_num_seqs`` (at most
+    256, beyond which a step is long enough that launching its kernels eagerly costs little), which is included
+    so that every batch up to it has a graph."""
+    top = min(max_num_seqs, _MAX_GRAPH_BATCH)
+    return sorted({s for s in (1, 2, 4, 8, *range(16, top, 16)) if s < top} | {top})
+
+
+def pick_graph_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds ``num_seqs`` sequences (None: more than the largest)."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pad_decode_inputs(inp: StepInputs, size: int) -> StepInputs:
+    """A decode-only step padded to ``size`` sequences. A padding sequence is one token (id 0, position 0) over a
+    context of one key in block 0, and its slot is -1, which the KV write skips: it computes a row nobody reads
+    and changes nothing in the cache."""
+    pad = size - len(inp.input_ids)
+    n = len(inp.input_ids)
+    return StepInputs(
+        input_ids=inp.input_ids + [0] * pad,
+        positions=inp.positions + [0] * pad,
+        slot_mapping=inp.slot_mapping + [-1] * pad,
+        query_start_loc=list(range(size + 1)),
+        seq_lens=inp.seq_lens + [1] * pad,
+        block_tables=inp.block_tables + [[0]] * pad,
+        sample_rows=list(range(n)),
+    )
+
+
+class DecodeGraphs:
+    """Decode steps as CUDA graph replays: one graph per batch size in ``sizes``, all reading static input
+    buffers that each step fills (padded, ``pad_decode_inputs``). The graphs are captured with the longest
+    context (``max_blocks`` blocks), so launch-time choices made from it (split-KV) suit any context."""
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], max_blocks: int) -> None:
+        self.runner, self.sizes, self.max_blocks = runner, sizes, max_blocks
+        dev, top = runner.device, sizes[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, inp: StepInputs) -> bool:
+        """A decode-only step (one token per sequence) of at most the largest captured size."""
+        return len(inp.input_ids) == len(inp.seq_lens) <= self.sizes[-1]
+
+    def load(self, inp: StepInputs) -> int:
+        """Copy a step into the static buffers; returns the captured size it is padded to."""
+        size = pick_graph_size(len(inp.seq_lens), self.sizes)
+        assert size is not None
+        p = pad_decode_inputs(inp, size)
+        vecs = torch.tensor(p.input_ids + p.positions + p.slot_mapping + p.seq_lens, dtype=torch.int64)
+        vecs = vecs.to(self.runner.device, non_blocking=True).view(4, size)
+        self.input_ids[:size].copy_(vecs[0])
+        self.positions[:size].copy_(vecs[1])
+        self.slots[:size].copy_(vecs[2])
+        self.seq_lens[:size].copy_(vecs[3])
+        # Rows padded with block 0 up to the captured width; keys past a row's length are never read.
+        self.block_tables[:size].copy_(_block_table(p.block_tables, self.max_blocks), non_blocking=True)
+        return size
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` rows of the static buffers (what each graph captures)."""
+        md = AttentionMetadata(
+            slot_mapping=self.slots[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.runner.block_size,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_blocks * self.runner.block_size] * size,
+        )
+        r = self.runner
+        return r.model(self.input_ids[:size], self.positions[:size], ForwardContext(r.backend, r.kv_cache, md))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self.forward(size)  # compiles the kernels, outside the capture (slots are -1: nothing is written)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+
+    def run(self, inp: StepInputs) -> torch.Tensor:
+        """Hidden states of the step's sequences (the padding rows dropped)."""
+        size = self.load(inp)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[: len(inp.seq_lens)]

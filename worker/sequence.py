@@ -9,6 +9,7 @@ import torch
 
 from common.sampling import SamplingParams
 from worker.block_pool import Block
+from worker.output_processor import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +31,8 @@ class Sequence:
         block_size: int,
     ) -> None:
         self.request_id = request_id
+        # The prompt, kept apart from ``token_ids`` (which grows) so every output can share it without a copy.
+        self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -38,6 +41,8 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[Block] = []
+        self._ids_of: list[Block] | None = None  # the table ``_ids`` holds the ids of
+        self._ids: list[int] = []
         self.block_keys: list[bytes] = []
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
@@ -53,6 +58,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.text = ""
+        self.detok = IncrementalDetokenizer()
         self.num_stop_checked_chars = 0  # text already searched for stop strings (they can only end later)
         self.error: str | None = None  # why the engine failed this request alone
         self.num_emitted_chars = 0
@@ -82,4 +88,11 @@ class Sequence:
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.block_table]
+        """The block table's ids. Tables only grow at the end until the KV manager replaces them with a new
+        list (admission, release), so the ids are kept and extended rather than rebuilt every step."""
+        table = self.block_table
+        if self._ids_of is not table:
+            self._ids_of, self._ids = table, []
+        if len(self._ids) < len(table):
+            self._ids.extend(b.block_id for b in table[len(self._ids) :])
+        return self._ids

@@ -36,6 +36,9 @@ class AttentionBackend(ABC):
     """One implementation of paged attention; the model calls it once per layer."""
 
     name: str
+    # Whether a decode step through this backend can be captured in a CUDA graph: no host synchronisation, launch
+    # shapes fixed by the batch size, and ``write_kv`` skipping slot -1 (where padding tokens go).
+    supports_cuda_graphs = False
 
     @abstractmethod
     def write_kv(

@@ -1,6 +1,13 @@
-"""Paged attention in plain torch: gathers each sequence's blocks, then masked attention. Runs anywhere."""
+"""Paged attention in plain torch (runs anywhere): SDPA over each step's gathered context.
+
+Every call takes SDPA's fused kernel: 4-D inputs throughout, and grouped-query heads handled by the kernel
+(``enable_gqa``) or, for decodes, by folding each KV head's query group into the query-length axis (the math
+fallback is about 5x slower for a 2k-token prefill).
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -8,8 +15,32 @@ import torch.nn.functional as F
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
 
+class _Decodes(NamedTuple):
+    """The step's one-token queries, batched: their rows (None: every row), the blocks to gather for each
+    (row-major, padded to the longest context) and which gathered keys are real."""
+
+    rows: torch.Tensor | None
+    blocks: torch.Tensor  # [n * blocks_per_row] int64
+    keep: torch.Tensor  # [n, 1, 1, blocks_per_row * block_size] bool
+    num_rows: int
+
+
+class _Prefill(NamedTuple):
+    start: int
+    qlen: int
+    slen: int
+    blocks: torch.Tensor
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        # _band[j, c] = c <= j + _band_offset: one lower-triangular band, built once and grown on demand, shared
+        # by every extend. An extend of qlen queries over slen keys (ctx = slen - qlen of them cached) sees the
+        # view _band[:qlen, offset - ctx : offset - ctx + slen], so no step builds a [query x context] mask.
+        self._band = torch.ones(0, 0, dtype=torch.bool)
+        self._band_offset = 0
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
@@ -20,62 +51,72 @@ class TorchBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        plan = md.scratch.get("torch")
+        if plan is None:
+            plan = md.scratch["torch"] = self._plan(md, k_cache.shape[1], q.device)
+        decodes, prefills = plan
+        if decodes is not None and not prefills:  # decode-only step: the result is the output, no scatter
+            return self._decode(q, k_cache, v_cache, decodes, scale)
         out = torch.empty_like(q)
-        decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
-        if decode:
-            self._decode(q, k_cache, v_cache, md, scale, decode, out)
-        block_size = k_cache.shape[1]
-        for i, (qlen, slen) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-            if qlen == 1:
-                continue
-            start = int(md.query_start_loc[i])
-            blocks = md.block_tables[i, : -(-slen // block_size)]
-            k = k_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)  # [kv_heads, slen, d]
-            v = v_cache[blocks].flatten(0, 1)[:slen].transpose(0, 1)
-            # 4-D inputs (a batch of one): on CPU, SDPA's fused kernels take them, while 3-D inputs fall back to
-            # the math path (about 5x slower for a 2k-token prefill).
-            qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, heads, qlen, d]
-            k, v = k.to(q.dtype)[None], v.to(q.dtype)[None]
-            if qlen == slen:  # no prefix: plain causal attention
+        if decodes is not None:
+            out[decodes.rows] = self._decode(q[decodes.rows], k_cache, v_cache, decodes, scale)
+        for p in prefills:
+            k = k_cache[p.blocks].flatten(0, 1)[: p.slen].transpose(0, 1)[None]  # [1, kv_heads, slen, d]
+            v = v_cache[p.blocks].flatten(0, 1)[: p.slen].transpose(0, 1)[None]
+            qi = q[p.start : p.start + p.qlen].transpose(0, 1)[None]  # [1, heads, qlen, d]
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            if p.qlen == p.slen:  # no prefix: plain causal attention
                 o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                o = F.scaled_dot_product_attention(
-                    qi, k, v, attn_mask=self._mask(md, qlen, slen, q.device), scale=scale, enable_gqa=True
-                )
-            out[start : start + qlen] = o[0].transpose(0, 1)
+                mask = self._extend_mask(p.qlen, p.slen, q.device)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[p.start : p.start + p.qlen] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _mask(md: AttentionMetadata, qlen: int, slen: int, device: torch.device) -> torch.Tensor:
-        """Query j sits at position slen - qlen + j and sees keys 0 .. that position (built once per step)."""
-        key = f"mask{qlen}x{slen}"
-        if key not in md.scratch:
-            md.scratch[key] = torch.ones(qlen, slen, dtype=torch.bool, device=device).tril(slen - qlen)
-        return md.scratch[key]
+    def _plan(md: AttentionMetadata, block_size: int, device: torch.device) -> tuple[_Decodes | None, list[_Prefill]]:
+        """What every layer of the step reuses, derived once from the metadata."""
+        qlens, slens = md.query_lens_cpu, md.seq_lens_cpu
+        rows = [i for i, n in enumerate(qlens) if n == 1]
+        decodes = None
+        if rows:
+            width = -(-max(slens[i] for i in rows) // block_size)
+            if len(rows) == len(qlens):  # decode-only: sequence i is token i
+                idx, tables, lens = None, md.block_tables[:, :width], md.seq_lens
+            else:
+                sel = torch.tensor(rows, device=device)
+                idx, tables, lens = md.query_start_loc[sel].long(), md.block_tables[sel, :width], md.seq_lens[sel]
+            keep = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+            decodes = _Decodes(idx, tables.flatten().long(), keep[:, None, None, :], len(rows))
+        prefills, start = [], 0
+        for i, (qlen, slen) in enumerate(zip(qlens, slens)):
+            if qlen > 1:
+                prefills.append(_Prefill(start, qlen, slen, md.block_tables[i, : -(-slen // block_size)]))
+            start += qlen
+        return decodes, prefills
 
     @staticmethod
     def _decode(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        md: AttentionMetadata,
-        scale: float,
-        rows: list[int],
-        out: torch.Tensor,
-    ) -> None:
-        """One query token per sequence, batched: pad every context to the longest and mask the rest."""
-        block_size, kv_heads, d = k_cache.shape[1:]
-        if "decode" not in md.scratch:
-            idx = torch.tensor(rows, device=q.device)
-            max_len = max(md.seq_lens_cpu[i] for i in rows)
-            tables = md.block_tables[idx, : -(-max_len // block_size)]
-            pad = torch.arange(tables.shape[1] * block_size, device=q.device)[None, :] >= md.seq_lens[idx][:, None]
-            md.scratch["decode"] = (tables, md.query_start_loc[idx].long(), pad[:, None, None, :])
-        tables, tok, pad = md.scratch["decode"]
-        k = k_cache[tables].flatten(1, 2)  # [B, L, kv_heads, d]
-        v = v_cache[tables].flatten(1, 2)
-        qb = q[tok].view(len(rows), kv_heads, -1, d)  # [B, kv_heads, group, d]
-        scores = torch.einsum("bkgd,blkd->bkgl", qb.float(), k.float()) * scale
-        scores.masked_fill_(pad, float("-inf"))
-        o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v.float())
-        out[tok] = o.reshape(len(rows), -1, d).to(out.dtype)
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: _Decodes, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence [n, heads, head_dim]. Whole blocks are gathered in one index_select per
+        cache (rows of block_size * kv_heads * head_dim), and each KV head's group of query heads becomes a
+        query length of ``group``: plain multi-head SDPA, padding masked."""
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        n = d.num_rows
+        k = k_cache.view(num_blocks, -1).index_select(0, d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.view(num_blocks, -1).index_select(0, d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        qg = q.view(n, kv_heads, -1, head_dim)  # query head h uses KV head h // group
+        o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=d.keep, scale=scale)
+        return o.reshape(n, -1, head_dim)
+
+    def _extend_mask(self, qlen: int, slen: int, device: torch.device) -> torch.Tensor:
+        ctx = slen - qlen
+        if self._band.device != device or self._band.shape[0] < qlen or self._band_offset < ctx:
+            rows = max(qlen, self._band.shape[0])
+            offset = max(ctx, self._band_offset)
+            rows, offset = 1 << (rows - 1).bit_length(), 1 << max(offset - 1, 0).bit_length()  # grow by doubling
+            self._band = torch.ones(rows, offset + rows, dtype=torch.bool, device=device).tril(offset)
+            self._band_offset = offset
+        s0 = self._band_offset - ctx
+        return self._band[:qlen, s0 : s0 + slen]

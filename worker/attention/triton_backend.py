@@ -18,7 +18,8 @@ def _p2(n: int) -> int:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter ``k``/``v`` [T, kv_heads, head_dim] into the caches at ``slots`` (block * block_size + offset)."""
+    """Scatter ``k``/``v`` [T, kv_heads, head_dim] into the caches at ``slots`` (block * block_size + offset);
+    a token whose slot is -1 is not written."""
     t, kv_heads, head_dim = k.shape
     if t == 0:
         return
@@ -97,6 +98,7 @@ def paged_attention(
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata

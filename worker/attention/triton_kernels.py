@@ -29,6 +29,8 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
+    if slot < 0:  # a padding token of a CUDA-graph batch: it has no place in the cache
+        return
     block, off = slot // PAGE, slot % PAGE
     h = tl.arange(0, KV_HEADS_P2)[:, None]
     d = tl.arange(0, HEAD_DIM_P2)[None, :]

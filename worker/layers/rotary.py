@@ -34,22 +34,27 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | No
 
 
 class RotaryEmbedding(nn.Module):
+    """One table for every layer: a step looks its positions up once (``lookup``) and each layer rotates with it."""
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv = inverse_frequencies(head_dim, base, scaling).float()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # Laid out for x * cos + swap_halves(x) * sin: the rotation in two multiplies and an add, with the same
+        # products and sums as (x1 cos - x2 sin, x2 cos + x1 sin) (negating sin is exact).
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] by their tokens' ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, D] (queries and keys together, as one tensor) by ``RotaryEmbedding.lookup``,
+    in float32 whatever ``x``'s dtype (a no-op cast for fp32)."""
+    cos, sin = rope
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)

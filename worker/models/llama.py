@@ -17,7 +17,7 @@ from worker.attention import ForwardContext, PagedAttention
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding
+from worker.layers.rotary import RotaryEmbedding, rotate
 
 
 class LlamaAttention(nn.Module):
@@ -29,16 +29,15 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.attn = PagedAttention(layer_idx, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # Q and K sit side by side in the fused projection: rotate them as one [T, heads + kv_heads, D] tensor.
+        qk = rotate(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
 
 
@@ -62,10 +61,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)
+        h = self.self_attn(rope, h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -76,11 +79,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Every layer rotates by the same positions: one table, looked up once per step.
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(rope, x, residual, ctx)
         return self.norm(x, residual)[0]
 
 

@@ -1,0 +1,169 @@
+"""What the engine does with each sampled token: append it, detokenize incrementally, check the stop conditions,
+and build the request's ``RequestOutput``.
+
+Detokenizing is incremental: a step decodes only the tokens since the last point where the text was known to be
+final (a few tokens), never the whole output again. Stop strings are searched only in the new text plus the
+last ``max stop length - 1`` characters before it, which is all a match ending in the new text can span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+from common.outputs import RequestOutput
+
+if TYPE_CHECKING:  # a Sequence holds its IncrementalDetokenizer: import it for annotations only
+    from worker.sampler import SampleResult
+    from worker.sequence import Sequence
+
+_REPLACEMENT = "\ufffd"  # what decoding makes of an incomplete UTF-8 sequence
+
+
+def stable_len(text: str) -> int:
+    """Length of ``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD), which the next
+    token may still complete into something else."""
+    n = len(text)
+    while n and text[n - 1] == _REPLACEMENT:
+        n -= 1
+    return n
+
+
+def partial_stop(text: str, end: int, stop: str) -> int:
+    """The length of the longest proper prefix of ``stop`` that ``text[:end]`` ends with (0 if none)."""
+    begin = max(0, end - len(stop) + 1)
+    i = text.find(stop[0], begin, end)
+    while i >= 0:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
+
+
+class IncrementalDetokenizer:
+    """One request's output text, decoded a window at a time, equal to decoding all its tokens at once.
+
+    ``committed`` is the text of ``ids[:read_offset]``. A step decodes the window ``ids[prefix_offset:]``, where
+    ``ids[prefix_offset:read_offset]`` are the tokens committed last time: decoding them again gives decoders
+    that treat a window's first token specially (a stripped leading space) the same context a full decode has,
+    and the new text is what the window adds beyond their text. The window is committed only when its text does
+    not end in U+FFFD: the bytes so far then end on a character boundary, so no later token can change them.
+    """
+
+    __slots__ = ("committed", "prefix_offset", "read_offset", "_prefix_len")
+
+    def __init__(self) -> None:
+        self.committed = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self._prefix_len: int | None = 0  # len(decode(ids[prefix_offset:read_offset])); None: not decoded yet
+
+    def update(self, ids: list[int], decode: Callable[[list[int]], str]) -> str:
+        """The whole text of ``ids`` (every output token so far; earlier calls saw a prefix of them)."""
+        window = decode(ids[self.prefix_offset :])
+        if self._prefix_len is None:
+            self._prefix_len = len(decode(ids[self.prefix_offset : self.read_offset]))
+        new = window[self._prefix_len :]
+        if new and not window.endswith(_REPLACEMENT):
+            self.committed += new
+            self.prefix_offset, self.read_offset, self._prefix_len = self.read_offset, len(ids), None
+            return self.committed
+        return self.committed + new  # not final yet: shown in ``text``, decoded again next step
+
+
+def _decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, through the Rust tokenizer directly when that is all
+    the Python wrapper would do (it adds a few microseconds of argument conversion per call)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class OutputProcessor:
+    """One per engine: turns each sampled token into the request's new state and its ``RequestOutput``."""
+
+    def __init__(self, tokenizer, eos_token_ids: Collection[int], max_model_len: int, block_size: int) -> None:
+        self.decode = _decoder(tokenizer)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+
+    def append(self, seq: Sequence, res: SampleResult, now: float) -> str | None:
+        """Add the sampled token to ``seq`` and update its text; returns why it must finish now, if it must."""
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        if res.logprob is not None:
+            seq.logprobs.append(res.logprob)
+            if res.top is not None:
+                seq.top_logprobs.append(res.top)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        reason = None
+        if tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        seq.text = text = seq.detok.update(seq.token_ids[seq.num_prompt_tokens :], self.decode)
+        if p.stop:
+            # Only text after what earlier steps searched can hold a new match, give or take a stop's length.
+            start = max(0, seq.num_stop_checked_chars - max(map(len, p.stop)) + 1)
+            found = min(((i, s) for s in p.stop if (i := text.find(s, start)) >= 0), default=None)
+            if found is not None:
+                seq.text, reason, seq.stop_reason = text[: found[0]], "stop", found[1]
+            seq.num_stop_checked_chars = stable_len(text)
+        return reason
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's state after this step, with what became final since its previous output."""
+        text = seq.text
+        if seq.is_finished:
+            final = len(text)
+        else:
+            # Hold back an incomplete UTF-8 character and anything that may still turn into a stop string.
+            final = stable_len(text)
+            final -= max((partial_stop(text, final, s) for s in seq.params.stop), default=0)
+        final = max(final, seq.num_emitted_chars)
+        delta, seq.num_emitted_chars = text[seq.num_emitted_chars : final], final
+        # One copy of the output tokens, shared by token_ids and new_token_ids (a slice of it).
+        out_ids = seq.token_ids[seq.num_prompt_tokens :]
+        new, seq.num_emitted_tokens = out_ids[seq.num_emitted_tokens :], len(out_ids)
+        want_lp = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            tenant=seq.tenant,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=out_ids,
+            text=text,
+            new_token_ids=new,
+            delta_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_pinned_tokens=seq.num_pinned_blocks * self.block_size,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
+            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            stop_reason=seq.stop_reason,
+        )
+
+    def failed(self, seq: Sequence) -> RequestOutput:
+        """The final output of a request the engine failed alone (``seq.error`` says why)."""
+        return RequestOutput(
+            request_id=seq.request_id,
+            tenant=seq.tenant,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.token_ids[seq.num_prompt_tokens :],
+            text=seq.text[: seq.num_emitted_chars],
+            new_token_ids=[],
+            delta_text="",
+            finished=True,
+            finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens,
+            num_pinned_tokens=seq.num_pinned_blocks * self.block_size,
+            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            error=seq.error,
+        )
