@@ -41,6 +41,9 @@ class TorchBackend(AttentionBackend):
         # view _band[:qlen, offset - ctx : offset - ctx + slen], so no step builds a [query x context] mask.
         self._band = torch.ones(0, 0, dtype=torch.bool)
         self._band_offset = 0
+        # Where decodes gather K and V, reused by every layer and step: a fresh multi-megabyte tensor per layer
+        # costs the allocator fresh pages each time (page faults), more than the copy itself.
+        self._gathered: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
@@ -95,20 +98,26 @@ class TorchBackend(AttentionBackend):
             start += qlen
         return decodes, prefills
 
-    @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: _Decodes, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: _Decodes, scale: float
     ) -> torch.Tensor:
         """One query token per sequence [n, heads, head_dim]. Whole blocks are gathered in one index_select per
         cache (rows of block_size * kv_heads * head_dim), and each KV head's group of query heads becomes a
         query length of ``group``: plain multi-head SDPA, padding masked."""
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows
-        k = k_cache.view(num_blocks, -1).index_select(0, d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.view(num_blocks, -1).index_select(0, d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        k, v = (self._gather(i, cache.view(num_blocks, -1), d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+                for i, cache in enumerate((k_cache, v_cache)))
         qg = q.view(n, kv_heads, -1, head_dim)  # query head h uses KV head h // group
         o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=d.keep, scale=scale)
         return o.reshape(n, -1, head_dim)
+
+    def _gather(self, which: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        buf = self._gathered[which]
+        need = index.numel() * rows.shape[1]
+        if buf.numel() < need or buf.dtype != rows.dtype or buf.device != rows.device:
+            buf = self._gathered[which] = torch.empty(need, dtype=rows.dtype, device=rows.device)
+        return torch.index_select(rows, 0, index, out=buf[:need].view(index.numel(), rows.shape[1]))
 
     def _extend_mask(self, qlen: int, slen: int, device: torch.device) -> torch.Tensor:
         ctx = slen - qlen

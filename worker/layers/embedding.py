@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.distributed import all_gather, all_reduce, tp_rank, tp_size
+from worker.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,5 +37,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary: each rank scores its slice, then the slices are gathered."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = all_gather(linear(hidden, self.weight), dim=-1)
         return logits[..., : self.vocab_size]

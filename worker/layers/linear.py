@@ -8,6 +8,17 @@ from torch import nn
 
 from worker.distributed import all_reduce, shard_range, tp_rank, tp_size
 
+# oneDNN's fp32 matmul beats the default (MKL) path on the skinny matmuls of a small batch: measured on the demo
+# model on 2 cores, decode steps ran 20-30% faster at batch 1, 8 and 32. Same math, rounded differently.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; through oneDNN for 2-D float32 inputs on the CPU."""
+    if _ONEDNN and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T``, with W's output rows split over ranks; each rank returns its slice of ``y``."""
@@ -28,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -93,5 +104,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
