@@ -132,6 +132,7 @@ class _OpenAIRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cached_content: Name | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
     # Validated only: the engine does not apply these.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -161,6 +161,24 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server):
     assert chat(client, "Still there?").choices[0].finish_reason in ("length", "stop")
 
 
+def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
+    client = oa(server)
+
+    def complete(seed: int, **extra):
+        return client.completions.create(model="demo", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=128,
+                                         temperature=1.0, seed=seed, extra_body=extra)
+
+    stopped = next(((s, out) for s in range(16) if (out := complete(s)).choices[0].finish_reason == "stop"), None)
+    assert stopped is not None, "no seed made the demo model stop early: the test needs one"
+    seed, early = stopped
+    assert early.usage.completion_tokens < 128
+    full = complete(seed, ignore_eos=True)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 128
+    assert full.choices[0].text.startswith(early.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        complete(seed, ignore_eos="yes")
+
+
 def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, redis_url):
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
