@@ -407,11 +407,12 @@ class Gateway:
             raise _err(404, f"cached content {cid!r} not found", api)
         return cc.token_ids, max(1.0, cc.expires - time.time())
 
-    def _params(self, max_tokens: int, temperature: float, top_p: float, stop, seed, api: str, top_k: int = 0):
+    def _params(self, max_tokens: int, temperature: float, top_p: float, stop, seed, api: str, top_k: int = 0,
+                ignore_eos: bool = False):
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                stop=stop or [], seed=seed,
+                stop=stop or [], seed=seed, ignore_eos=ignore_eos,
             )
         except ValueError as exc:
             raise _err(400, str(exc), api) from None
@@ -623,7 +624,8 @@ class Gateway:
                               max_tokens: int, chat: bool):
         """Run a chat or text completion and answer it, streamed or whole."""
         await self._admit(t, prompt, max_tokens, "openai")
-        params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai")
+        params = self._params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, "openai",
+                              ignore_eos=body.ignore_eos)
 
         def account(out: RequestOutput, predicted: int) -> None:
             self._account(t, out, predicted, self._reported_cached(t, out.num_cached_tokens))
