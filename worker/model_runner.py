@@ -164,7 +164,9 @@ class ModelRunner:
         return self.model(input_ids, positions, ForwardContext(self.backend, self.kv_cache, md))
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs (CUDA, one rank, a backend whose kernels can be captured); else stay eager."""
+        """Capture decode graphs (CUDA, a backend whose kernels can be captured); else stay eager. One rank
+        only: with tensor parallelism every rank would have to capture its collectives in lockstep, which this
+        does not arrange, so a tensor-parallel group runs eagerly."""
         if self.device.type == "cuda" and tp_size() == 1 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, graph_batch_sizes(max_num_seqs), -(-max_model_len // self.block_size))
             self.graphs.capture()
