@@ -127,6 +127,7 @@ class ServeConfig(_Strict):
     step_timeout_s: float = Field(60.0, gt=0)  # a group whose step runs longer has failed (a hung rank)
     # Threads each rank computes its steps with (default: this machine's cores over the groups' ranks, >= 1).
     cpus_per_rank: int | None = Field(None, ge=1)
+    cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")

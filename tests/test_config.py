@@ -31,6 +31,7 @@ def test_the_documented_example_loads(tmp_path):
     assert cfg.groups == 2 and cfg.http.port == 8000
     assert cfg.tenants[0].cache.min_prefix_tokens == 64
     assert cfg.tenants[1].cache.mode == "explicit" and cfg.tenants[1].cache.default_ttl == 300.0
+    assert cfg.cuda_graphs is True and cfg.cpus_per_rank is None
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,8 @@ def test_the_documented_example_loads(tmp_path):
         (("default_ttl: 5m", "default_ttl: 5m, share: 0"), "tenants.1.cache.share"),
         (("cache: {mode: explicit, default_ttl: 5m}", "limits: {requests_per_s: 0}"), "tenants.1.limits.requests_per_s"),
         (("cache: {mode: explicit, default_ttl: 5m}", "limits: {burst: 3}"), "tenants.1.limits.burst"),
+        (("groups: 2", "groups: 2\ncpus_per_rank: 0"), "cpus_per_rank"),
+        (("groups: 2", "groups: 2\ncuda_graphs: sometimes"), "cuda_graphs"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path, change, field):
