@@ -48,9 +48,18 @@ def test_a_padded_decode_on_the_static_buffers_matches_eager_and_writes_only_rea
     graphs = DecodeGraphs(runner, [2, 4, 8], max_blocks=engine.max_model_len // engine.config.block_size)
     assert graphs.fits(inp) and not graphs.fits(inp._replace(input_ids=inp.input_ids + [1]))
     before = runner.kv_cache.clone()
+    # What earlier, longer steps would have left in the static block table: load must neither rewrite every
+    # column nor let the attention read past a row's length (or past column 0 of a padding row).
+    stale = 10_000
+    graphs.block_tables.fill_(stale)
     with torch.inference_mode():
         size = graphs.load(inp)
         assert size == 4
+        width = max(map(len, inp.block_tables))
+        assert width < graphs.max_blocks
+        for i, row in enumerate(inp.block_tables + [[0]]):
+            assert graphs.block_tables[i, : len(row)].tolist() == row
+        assert (graphs.block_tables[:, width:] == stale).all()
         static = graphs.forward(size)[:3].clone()
         after_static = runner.kv_cache.clone()
         runner.kv_cache.copy_(before)

@@ -255,8 +255,11 @@ class DecodeGraphs:
         self.positions[:size].copy_(vecs[1])
         self.slots[:size].copy_(vecs[2])
         self.seq_lens[:size].copy_(vecs[3])
-        # Rows padded with block 0 up to the captured width; keys past a row's length are never read.
-        self.block_tables[:size].copy_(_block_table(p.block_tables, self.max_blocks), non_blocking=True)
+        # Only the columns the longest row uses: building and copying all max_blocks columns (thousands, for a long
+        # max_model_len) cost tens of ms per step. What is left past a row's length from earlier steps is stale
+        # but never read (keys past seq_len are masked), and a padding row reads only its column 0.
+        width = max(map(len, p.block_tables))
+        self.block_tables[:size, :width].copy_(_block_table(p.block_tables, width), non_blocking=True)
         return size
 
     def forward(self, size: int) -> torch.Tensor:
