@@ -42,7 +42,8 @@ class TorchBackend(AttentionBackend):
         self._band = torch.ones(0, 0, dtype=torch.bool)
         self._band_offset = 0
         # Where decodes gather K and V, reused by every layer and step: a fresh multi-megabyte tensor per layer
-        # costs the allocator fresh pages each time (page faults), more than the copy itself.
+        # costs the allocator fresh pages each time (page faults), more than the copy itself. See _gather for
+        # when one is given back.
         self._gathered: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
 
     def write_kv(
@@ -112,10 +113,18 @@ class TorchBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=d.keep, scale=scale)
         return o.reshape(n, -1, head_dim)
 
+    # A gather buffer more than twice what a step needs is reallocated to fit, unless it is this small anyway: a
+    # peak step (64 sequences of 4k tokens, 8 KV heads of 128: 1 GiB each for K and V in fp32) must not keep its
+    # memory for good, while small steps keep reusing theirs as the batch shrinks and grows. At most one
+    # reallocation per step: every layer of a step needs the same size.
+    keep_bytes = 64 << 20
+
     def _gather(self, which: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         buf = self._gathered[which]
         need = index.numel() * rows.shape[1]
-        if buf.numel() < need or buf.dtype != rows.dtype or buf.device != rows.device:
+        oversized = buf.numel() > 2 * need and buf.numel() * buf.element_size() > self.keep_bytes
+        if buf.numel() < need or oversized or buf.dtype != rows.dtype or buf.device != rows.device:
+            self._gathered[which] = buf = torch.empty(0)  # the old buffer goes before the new one is allocated
             buf = self._gathered[which] = torch.empty(need, dtype=rows.dtype, device=rows.device)
         return torch.index_select(rows, 0, index, out=buf[:need].view(index.numel(), rows.shape[1]))
 
