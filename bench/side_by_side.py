@@ -78,33 +78,48 @@ class Served:
         with log.open("w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                          start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:  # it exited, never answered, or Ctrl-C: its process group must not outlive us
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
         start = time.monotonic()
         while time.monotonic() - start < 900:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self._tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self._tail()}")
             try:
-                r = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+                r = httpx.get(f"{self.base_url}/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
                 if r.status_code == 200:
                     self.start_s = time.monotonic() - start
-                    print(f"{name} ready after {self.start_s:.0f} s", flush=True)
+                    print(f"{self.name} ready after {self.start_s:.0f} s", flush=True)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"{name} did not answer GET /v1/models within 900 s:\n{self._tail()}")
+        raise RuntimeError(f"{self.name} did not answer GET /v1/models within 900 s:\n{self._tail()}")
 
     def _tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
+    def _killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # nothing of the group is left
+            pass
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # both servers shut down cleanly on Ctrl-C
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGINT to the process group (both servers shut down cleanly on Ctrl-C), then, once the main process has
+        exited (or after 120 s), SIGKILL to whatever is left of the group. The group is signalled even when the
+        main process exited before: its children may not have."""
+        self._killpg(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            pass
+        self._killpg(signal.SIGKILL)
+        self.proc.wait()
 
 
 def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
