@@ -74,6 +74,30 @@ def test_each_step_decodes_only_the_last_tokens(tokenizer):
     assert len(ids) > 150 and max(windows) <= 10
 
 
+class _SliceCounter(list):
+    """A list that counts the elements its slices copy."""
+
+    copied = 0
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        if isinstance(i, slice):
+            self.copied += len(item)
+        return item
+
+
+def test_appending_a_token_copies_a_few_tokens_not_the_whole_output(tokenizer):
+    ids = tokenizer("plain text, every token a whole word or sign. " * 8 + MULTIBYTE)["input_ids"]
+    proc = OutputProcessor(tokenizer, [], 10**6, 16)
+    seq = Sequence("r", list(range(5, 105)), SamplingParams(max_tokens=10**6, ignore_eos=True), "t", b"k", 16)
+    seq.token_ids = _SliceCounter(seq.token_ids)
+    for tok in ids:
+        proc.append(seq, SampleResult(tok, None, None), 0.0)
+    assert seq.text == full(tokenizer, ids)
+    # The decode windows (a few tokens each), where slicing off the prompt would copy all len(ids)^2 / 2.
+    assert len(ids) > 150 and seq.token_ids.copied <= 10 * len(ids)
+
+
 class _Finisher:
     """Does what the engine does with a finish reason (the scheduler's part)."""
 

@@ -58,15 +58,17 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self._prefix_len: int | None = 0  # len(decode(ids[prefix_offset:read_offset])); None: not decoded yet
 
-    def update(self, ids: list[int], decode: Callable[[list[int]], str]) -> str:
-        """The whole text of ``ids`` (every output token so far; earlier calls saw a prefix of them)."""
-        window = decode(ids[self.prefix_offset :])
+    def update(self, ids: list[int], decode: Callable[[list[int]], str], start: int = 0) -> str:
+        """The whole text of ``ids[start:]`` (every output token so far; earlier calls saw a prefix of them).
+        ``start`` lets a caller pass a sequence's prompt and output tokens as they are: slicing off the prompt
+        would copy the whole output every step, where only the window is needed."""
+        window = decode(ids[start + self.prefix_offset :])
         if self._prefix_len is None:
-            self._prefix_len = len(decode(ids[self.prefix_offset : self.read_offset]))
+            self._prefix_len = len(decode(ids[start + self.prefix_offset : start + self.read_offset]))
         new = window[self._prefix_len :]
         if new and not window.endswith(_REPLACEMENT):
             self.committed += new
-            self.prefix_offset, self.read_offset, self._prefix_len = self.read_offset, len(ids), None
+            self.prefix_offset, self.read_offset, self._prefix_len = self.read_offset, len(ids) - start, None
             return self.committed
         return self.committed + new  # not final yet: shown in ``text``, decoded again next step
 
@@ -107,7 +109,7 @@ class OutputProcessor:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        seq.text = text = seq.detok.update(seq.token_ids[seq.num_prompt_tokens :], self.decode)
+        seq.text = text = seq.detok.update(seq.token_ids, self.decode, seq.num_prompt_tokens)
         if p.stop:
             # Only text after what earlier steps searched can hold a new match, give or take a stop's length.
             start = max(0, seq.num_stop_checked_chars - max(map(len, p.stop)) + 1)
