@@ -33,56 +33,17 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from router.trace import MOONCAKE_BLOCK, TraceEntry, read_mooncake
+
 PROMPT_FORMATS = ("tokens", "text", "chat")
 WORKLOADS = ("random", "multi-turn", "trace")
 FALLBACK_VOCAB = 1000
-MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
 
 # Words for text prompts: consonant-vowel pairs, so that every synthetic id has a short, distinct word.
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    timestamp_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: str | Path, max_requests: int | None = None) -> list[TraceEntry]:
-    """The first ``max_requests`` records of a Mooncake-format JSONL trace; ValueError names a bad line."""
-    out: list[TraceEntry] = []
-    try:
-        f = open(path)
-    except OSError as exc:
-        raise ValueError(f"cannot read --trace {path}: {exc.strerror}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if max_requests is not None and len(out) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                entry = TraceEntry(float(row["timestamp"]) / 1e3, int(row["input_length"]),
-                                   int(row["output_length"]), tuple(int(h) for h in row["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a trace record ({exc!r})") from None
-            # The prompt is built from the blocks: it must fit in them and use the last one.
-            blocks = len(entry.hash_ids)
-            if not (blocks - 1) * MOONCAKE_BLOCK < entry.input_length <= blocks * MOONCAKE_BLOCK:
-                raise ValueError(f"{path}:{n}: input_length {entry.input_length} does not match {blocks} hash_ids "
-                                 f"of {MOONCAKE_BLOCK} tokens")
-            if entry.output_length < 1 or entry.timestamp_s < 0:
-                raise ValueError(f"{path}:{n}: output_length must be >= 1 and timestamp >= 0")
-            out.append(entry)
-    if not out:
-        raise ValueError(f"{path}: no trace records (--trace)")
-    return out
 
 
 class TokenSource:
@@ -415,7 +376,7 @@ def _jobs(args: Any, src: TokenSource, output_len: int, trace: list[TraceEntry])
 
 def run(args: Any) -> int:
     _check(args)
-    trace = load_trace(args.trace, args.max_requests) if args.trace else []  # bad input fails before any request
+    trace = read_mooncake(args.trace, args.max_requests) if args.trace else []  # bad input fails before any request
     base_url = args.base_url.rstrip("/")
     model = args.model
     if model is None:

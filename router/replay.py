@@ -22,7 +22,6 @@ with the capacity of all groups together, and an infinite cache, both in file or
 from __future__ import annotations
 
 import heapq
-import json
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from common.hashing import block_keys, tenant_root_key
 from worker.block_pool import Block, BlockPool
 from router.policy import make_policy
 from router.router import Router
+from router.trace import read_mooncake
 from router.transport import InProcessTransport
 
 REPLAY_SECRET = b"kvgrid-replay"
@@ -46,25 +46,15 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path, tenants: int = 1, limit: int | None = None) -> list[TraceRequest]:
+    """The first ``limit`` requests of a trace (``router.trace.read_mooncake``), with their block keys."""
     if tenants < 1:
         raise ValueError("tenants must be >= 1")
     roots = [tenant_root_key(REPLAY_SECRET, f"tenant-{t}") for t in range(tenants)]
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = [int(h) for h in row["hash_ids"]]
-                req = TraceRequest(row["timestamp"] / 1e3, int(row["input_length"]), int(row["output_length"]), [])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a trace record ({exc})") from exc
-            tenant = (ids[1] if len(ids) > 1 else ids[0]) % tenants if ids else 0
-            req.keys = block_keys(ids, 1, roots[tenant])
-            out.append(req)
+    for e in read_mooncake(path, limit):
+        ids = list(e.hash_ids)
+        tenant = (ids[1] if len(ids) > 1 else ids[0]) % tenants if ids else 0
+        out.append(TraceRequest(e.timestamp_s, e.input_length, e.output_length, block_keys(ids, 1, roots[tenant])))
     return out
 
 

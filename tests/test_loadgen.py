@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from harness import ACME_KEY, TWO_TENANTS, free_port, serving
 
-from router import cli, loadgen
-from router.loadgen import (Prompt, Result, TokenSource, TraceEntry, load_trace, percentile, poisson_offsets,
-                            random_prompts, summarise, words)
+from router import cli, loadgen, replay
+from router.loadgen import Prompt, Result, TokenSource, percentile, poisson_offsets, random_prompts, summarise, words
+from router.trace import TraceEntry, read_mooncake
 
 TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"
 
@@ -19,13 +19,13 @@ TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"
 # -- traces ------------------------------------------------------------------------------------------------------
 
 
-def test_load_trace_reads_records_in_seconds_and_stops_at_max_requests():
-    entries = load_trace(TRACE, max_requests=5)
+def test_read_mooncake_reads_records_in_seconds_and_stops_at_the_limit():
+    entries = read_mooncake(TRACE, limit=5)
     first = json.loads(TRACE.read_text().splitlines()[0])
     assert len(entries) == 5
     assert entries[0] == TraceEntry(first["timestamp"] / 1e3, first["input_length"], first["output_length"],
                                     tuple(first["hash_ids"]))
-    assert len(load_trace(TRACE)) == 1500
+    assert len(read_mooncake(TRACE)) == 1500
 
 
 @pytest.mark.parametrize("line, words_in_error", [
@@ -34,11 +34,13 @@ def test_load_trace_reads_records_in_seconds_and_stops_at_max_requests():
     ('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1]}', ":2: input_length 1100"),
     ('{"timestamp": 0, "input_length": 100, "output_length": 0, "hash_ids": [0]}', ":2: output_length"),
 ])
-def test_load_trace_names_the_bad_line(tmp_path, line, words_in_error):
+def test_read_mooncake_names_the_bad_line(tmp_path, line, words_in_error):
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n' + line + "\n")
     with pytest.raises(ValueError, match=words_in_error):
-        load_trace(path)
+        read_mooncake(path)
+    with pytest.raises(ValueError, match=words_in_error):  # kvgrid replay reads traces the same way
+        replay.load_trace(path)
 
 
 def test_trace_prompts_equal_hash_ids_give_equal_blocks():
@@ -68,7 +70,7 @@ def test_trace_jobs_keep_the_trace_pace_scaled_from_its_first_request(tmp_path):
 
     def jobs(*flags: str):
         args = cli.build_parser().parse_args(["bench", "serve", "--workload", "trace", "--trace", str(path), *flags])
-        trace = load_trace(args.trace, args.max_requests)
+        trace = read_mooncake(args.trace, args.max_requests)
         return loadgen._jobs(args, TokenSource(4096, 0), 128, trace)[1]
 
     own_pace = jobs()
@@ -220,7 +222,7 @@ def test_multi_turn_chat_reuses_earlier_turns(server, capsys):
 
 
 def test_trace_replay_sends_the_trace_prompts(server, capsys):
-    entries = load_trace(TRACE, max_requests=4)
+    entries = read_mooncake(TRACE, limit=4)
     r = bench(server, capsys, "--workload", "trace", "--trace", str(TRACE), "--max-requests", "4",
               "--trace-block-size", "64", "--time-scale", "0", "--concurrency", "1", "--output-len", "4",
               "--seed", "2")
