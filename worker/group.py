@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import re
 import socket
 import time
@@ -46,6 +47,8 @@ from common.protocol import (
 )
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
+
+_log = logging.getLogger("kvgrid.group")
 
 
 @dataclass
@@ -151,12 +154,15 @@ class RankActor:
         try:
             yield []
             while True:
-                try:
-                    await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
-                except asyncio.TimeoutError:
-                    pass
+                if self.error is None:  # once failed, nothing more comes: no wait before saying so
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
+                    except asyncio.TimeoutError:
+                        pass
                 batch = self._take(sub)
-                if self.error is not None:
+                # Deltas of the last good step go out first (a request that finished in it gets its result);
+                # the failure is raised on the next pass, once nothing is pending.
+                if not batch and self.error is not None:
                     raise GroupUnhealthyError(self.error)
                 yield batch
         finally:
@@ -177,9 +183,10 @@ class RankActor:
             await self._submit(sub, req)
             finished = False
             while not finished:
-                await sub.wake.wait()
+                if self.error is None:
+                    await sub.wake.wait()
                 batch = self._take(sub)
-                if self.error is not None:
+                if not batch and self.error is not None:  # what the last good step produced goes out first
                     raise GroupUnhealthyError(self.error)
                 finished = any(d.finished for d in batch)
                 yield batch
@@ -192,7 +199,7 @@ class RankActor:
         assert self.engine is not None and sub is not None, "requests go to rank 0"
         if self._wake is None:
             self._wake = asyncio.Event()
-            self._spawn(self._step_loop())
+            self._spawn(self._step_loop()).add_done_callback(self._step_loop_ended)
         rid = req.request_id if req.request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -227,13 +234,16 @@ class RankActor:
         for rid in request_ids:
             try:
                 await self._run(self.engine.abort, rid)
-            except GroupUnhealthyError:
+            except GroupUnhealthyError:  # the group failed meanwhile: its requests are gone with it
                 return
+            except Exception:  # nobody awaits this task: say it here, and still abort the others
+                _log.exception("rank 0: aborting request %s of a closed subscription failed", rid)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _call_engine(self, fn, *args):
         """``fn(*args)`` on the engine thread, from another thread; gives up once the group has failed (a step
@@ -264,6 +274,21 @@ class RankActor:
                 raise GroupUnhealthyError(self.error)
 
     async def _step_loop(self) -> None:
+        """Step while there is work, until the group fails. Any error in here fails the group: a loop that
+        stopped without saying so would leave every request waiting forever on a group that reports healthy."""
+        try:
+            await self._steps()
+        except Exception as exc:
+            _log.exception("rank 0: the step loop failed")
+            self.mark_unhealthy(f"step loop failed: {type(exc).__name__}: {exc}")
+
+    def _step_loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop only returns once the group has failed; any other end (cancelled, say) fails it too."""
+        if self.error is None:
+            how = "was cancelled" if task.cancelled() else f"ended: {task.exception()!r}"
+            self.mark_unhealthy(f"rank 0: the step loop {how}")
+
+    async def _steps(self) -> None:
         assert self.engine is not None and self._wake is not None
         loop = asyncio.get_running_loop()
         while self.error is None:
