@@ -5,8 +5,9 @@ changed in a step (new token ids, new text, new logprobs, the finish), never the
 caller with many requests on a group (a gateway replica) holds one subscription to the leader, a Ray streaming
 call that yields at most one message per engine step, carrying the deltas of all of that caller's requests;
 ``GroupLink`` reads it, fans the deltas out to each request's stream and rebuilds the cumulative
-``RequestOutput`` the caller reads. One message per step instead of one Ray object per request per token is
-what keeps a busy group's outputs from queueing behind Ray's per-object overhead.
+``RequestOutput`` the caller reads (``Outputs``: incrementally, never copying what came before). One message per
+step instead of one Ray object per request per token is what keeps a busy group's outputs from queueing behind
+Ray's per-object overhead.
 
 The leader ends a subscription when it fails (its requests then fail with ``GroupUnhealthyError``); when the
 subscriber dies, Ray closes the subscription (it is read with backpressure, which is what makes Ray notice a
@@ -89,27 +90,67 @@ class Delta:
         return cls(request_id, [], "", True, "abort", 0, 0, aborted=True)
 
 
-def first_output(req: Submit, request_id: str) -> RequestOutput:
-    """The output of a request before its first delta."""
-    return RequestOutput(request_id, req.tenant, req.prompt, [], "", [], "", False, None, 0)
+class _StreamedOutput(RequestOutput):
+    """A ``RequestOutput`` of a stream whose text is joined from the stream's chunks when first read: a stream
+    that nobody reads the whole text of mid-way (the gateway reads ``delta_text``) never copies it per step."""
+
+    _text: str | None
+
+    def __init__(self, *args, chunks: list[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunks, self._n = chunks, len(chunks)  # this output's text: the first ``_n`` chunks
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = "".join(self._chunks[:self._n])
+        return self._text
+
+    @text.setter
+    def text(self, value: str | None) -> None:
+        self._text = value
 
 
-def advance(prev: RequestOutput, d: Delta) -> RequestOutput:
-    """The cumulative output after delta ``d``; raises ``RequestAborted`` or ``RequestFailed`` for those ends."""
-    if d.aborted:
-        raise RequestAborted(f"request {d.request_id} was aborted")
-    if d.error is not None:
-        raise RequestFailed(f"request {d.request_id} failed: {d.error}")
-    return RequestOutput(
-        request_id=prev.request_id, tenant=prev.tenant, prompt_token_ids=prev.prompt_token_ids,
-        token_ids=prev.token_ids + d.new_token_ids, text=prev.text + d.delta_text,
-        new_token_ids=d.new_token_ids, delta_text=d.delta_text, finished=d.finished,
-        finish_reason=d.finish_reason, num_cached_tokens=d.num_cached_tokens,
-        num_pinned_tokens=d.num_pinned_tokens,
-        logprobs=None if d.logprobs is None else (prev.logprobs or []) + d.logprobs,
-        top_logprobs=None if d.top_logprobs is None else (prev.top_logprobs or []) + d.top_logprobs,
-        ttft=d.ttft, stop_reason=d.stop_reason,
-    )
+class Outputs:
+    """One request's cumulative outputs, built delta by delta in time linear in its length. Every output of a
+    stream shares its ``token_ids`` / ``logprobs`` / ``top_logprobs`` lists, extended in place: each holds the
+    values of the latest step when read as it is yielded (copy one to keep a step's values); ``text`` is the
+    output's own (joined when read)."""
+
+    def __init__(self, req: Submit, request_id: str) -> None:
+        self.request_id, self.tenant, self.prompt = request_id, req.tenant, req.prompt
+        self.token_ids: list[int] = []
+        self.chunks: list[str] = []
+        self.logprobs: list[float] | None = None
+        self.top_logprobs: list[dict[int, float]] | None = None
+
+    def advance(self, d: Delta) -> RequestOutput:
+        """The cumulative output after delta ``d``; raises ``RequestAborted`` or ``RequestFailed`` for those
+        ends."""
+        if d.aborted:
+            raise RequestAborted(f"request {d.request_id} was aborted")
+        if d.error is not None:
+            raise RequestFailed(f"request {d.request_id} failed: {d.error}")
+        self.token_ids.extend(d.new_token_ids)
+        if d.delta_text:
+            self.chunks.append(d.delta_text)
+        if d.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(d.logprobs)
+        if d.top_logprobs is not None:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.extend(d.top_logprobs)
+        return _StreamedOutput(
+            request_id=self.request_id, tenant=self.tenant, prompt_token_ids=self.prompt,
+            token_ids=self.token_ids, text=None, new_token_ids=d.new_token_ids, delta_text=d.delta_text,
+            finished=d.finished, finish_reason=d.finish_reason, num_cached_tokens=d.num_cached_tokens,
+            num_pinned_tokens=d.num_pinned_tokens,
+            logprobs=None if d.logprobs is None else self.logprobs,
+            top_logprobs=None if d.top_logprobs is None else self.top_logprobs,
+            ttft=d.ttft, stop_reason=d.stop_reason, chunks=self.chunks,
+        )
 
 
 def group_error(exc: Exception, group: str) -> Exception:
@@ -125,21 +166,26 @@ def group_error(exc: Exception, group: str) -> Exception:
 
 def iter_outputs(leader, req: Submit, group: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
     """One request's outputs for a blocking caller (tests, the supervisor): its own short stream from the
-    leader, one message per step; the request is aborted if the caller stops reading before its end."""
+    leader, one message per step; the request is aborted if the caller stops reading before its end.
+    ``GroupUnhealthyError`` when the leader sends nothing for ``timeout_s`` (each wait, not the whole request)."""
     import ray
     from ray.exceptions import RayError
 
     req = Submit(req.prompt, req.params, req.tenant, req.request_id or f"req-{uuid.uuid4().hex}", req.pin_tokens,
                  req.pin_ttl_s)
-    out, finished = first_output(req, req.request_id), False
+    outputs, finished = Outputs(req, req.request_id), False
     try:
         gen = leader.generate.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
-        for ref in gen:
-            for d in ray.get(ref, timeout=timeout_s):
+        while not finished:  # the leader's stream ends with the request's finish: nothing is read after it
+            ready, _ = ray.wait([gen], timeout=timeout_s)  # a leader that sends nothing fails the wait, too
+            if not ready:
+                raise GroupUnhealthyError(f"worker group {group!r} sent no output for {timeout_s:g} s")
+            ref = next(gen, None)
+            if ref is None:
+                raise GroupUnhealthyError(f"worker group {group!r} ended the stream before the request finished")
+            for d in ray.get(ref):
                 finished = d.finished
-                out = advance(out, d)
-                yield out
-        finished = True
+                yield outputs.advance(d)
     except RayError as exc:
         raise group_error(exc, group) from exc
     finally:
@@ -223,15 +269,14 @@ class GroupLink:
             except RayError as exc:
                 finished = True  # refused: there is nothing to abort
                 raise group_error(exc, self.group) from None
-            out = first_output(req, rid)
+            outputs = Outputs(req, rid)
             while not finished:
                 item = await self._next(queue, on_silence, silence_s)
                 if isinstance(item, Exception):
                     finished = True
                     raise type(item)(*item.args)
                 finished = item.finished
-                out = advance(out, item)
-                yield out
+                yield outputs.advance(item)
         finally:
             self._streams.pop(rid, None)
             if not finished and self._error is None:

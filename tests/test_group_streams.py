@@ -182,3 +182,47 @@ def test_steps_run_on_one_thread_with_cpus_per_rank_threads(ray_local, group):
     assert ServeConfig(groups=2, tenants=tenants).rank_threads == max(1, cores // 2)
     assert ServeConfig(groups=cores + 1, tenants=tenants).rank_threads == 1
     assert ServeConfig(groups=2, cpus_per_rank=3, tenants=tenants).rank_threads == 3
+
+
+def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
+    import threading
+
+    from common.protocol import GroupUnhealthyError, Submit, iter_outputs
+
+    @ray_local.remote(num_cpus=0)
+    class SilentLeader:
+        def __init__(self) -> None:
+            self.aborted: list[str] = []
+
+        async def generate(self, req):
+            await asyncio.Event().wait()
+            yield []
+
+        def abort(self, request_id: str) -> bool:
+            self.aborted.append(request_id)
+            return True
+
+        def aborts(self) -> list[str]:
+            return self.aborted
+
+    leader = SilentLeader.remote()
+    result: list = []
+
+    def read() -> None:
+        try:
+            list(iter_outputs(leader, Submit([1, 2, 3], request_id="silent"), "g-silent", timeout_s=0.5))
+        except Exception as exc:
+            result.append(exc)
+
+    started = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)  # daemon: a wait that is never bounded fails, not hangs
+    reader.start()
+    reader.join(20)
+    assert not reader.is_alive(), "the wait for the leader's first output was not bounded"
+    assert time.monotonic() - started < 10
+    assert len(result) == 1 and isinstance(result[0], GroupUnhealthyError), result
+    assert "sent no output for 0.5 s" in str(result[0])
+    deadline = time.monotonic() + 10
+    while ray_local.get(leader.aborts.remote()) != ["silent"]:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
