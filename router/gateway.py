@@ -66,6 +66,10 @@ MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
 ROUTE_TIMEOUT_S = 0.5
 LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
 HEDGE_DELAY_S = 0.05  # a replica routes in about a millisecond: one silent for longer is not waited on alone
+# Hedges per routed request over time (and the most saved up): when every replica is slow, hedging every request
+# would double the routing load on replicas already behind; past the budget a request waits for its timeout.
+HEDGE_BUDGET = 0.1
+HEDGE_BURST = 10.0
 ROUTER_COOLDOWN_S = 10.0  # a replica that failed is tried last for this long (Ray restarts it meanwhile)
 GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gateway ask its group's health
 HEALTH_TIMEOUT_S = 10.0
@@ -268,6 +272,23 @@ async def _watched(request: Request, run: AsyncIterator, api: str) -> AsyncItera
         await run.aclose()
 
 
+class _HedgeBudget:
+    """A token bucket of hedges: every request routed earns ``rate`` of one (up to ``burst``), a hedge spends
+    one. A replica slow now and then is hedged every time; all of them slow at once, only a few requests are."""
+
+    def __init__(self, rate: float = HEDGE_BUDGET, burst: float = HEDGE_BURST) -> None:
+        self.rate, self.burst, self.tokens = rate, burst, burst
+
+    def earn(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.rate)
+
+    def spend(self) -> bool:
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
 async def _bounded(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
@@ -320,6 +341,7 @@ class Gateway:
         self.routers = list(routers)  # the RouterService replicas; each request stays with the one that routed it
         self._next_router = secrets.randbelow(len(self.routers))
         self._router_failed_at = [-math.inf] * len(self.routers)
+        self._hedges = _HedgeBudget()
         self.redis = connect(redis_url, config.redis_timeout_s)
         self.ledger = UsageLedger(self.redis)
         self.entries = EntryStore(self.redis)
@@ -441,18 +463,21 @@ class Gateway:
 
     async def _route(self, t: _Tenant, prompt: list[int], attempt: str, failed: list[str], api: str):
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
-        not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too, and the first
-        decision wins; every other replica asked is told to forget the route (it may have made it too), so no
-        replica counts the request but the one that serves it. A dead, restarting or stuck replica is skipped,
-        and so is one that knows no group yet (just restarted: the supervisor hands it the groups within a
-        second). 503 when none routes it (a retry a moment later works)."""
+        not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
+        request, within ``HEDGE_BUDGET``), and the first decision wins; every other replica asked cancels the
+        route (it may have made it too: its load, predictions and recent prefill are undone), so no replica
+        counts the request but the one that serves it. A dead, restarting or stuck replica is skipped, and so is
+        one that knows no group yet (just restarted: the supervisor hands it the groups within a second). 503
+        when none routes it (a retry a moment later works)."""
         n = len(self.routers)
         self._next_router = (self._next_router + 1) % n
+        self._hedges.earn()
         now = time.monotonic()
         order = sorted(((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
                        key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S)
         pending: dict[asyncio.Future, int] = {}  # call -> position in ``order``
         asked = 0  # replicas asked so far: order[:asked]
+        hedged = False
         no_group: str | None = None
         won: int | None = None
 
@@ -466,37 +491,44 @@ class Gateway:
         ask()
         try:
             while pending:
-                hedge = HEDGE_DELAY_S if asked < n else None
+                hedge = HEDGE_DELAY_S if asked < n and not hedged else None
                 done, _ = await asyncio.wait(pending, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
-                    ask()  # the replicas asked so far are slow: ask the next one too
+                    hedged = True  # the replicas asked so far are slow: ask the next one too, budget permitting
+                    if self._hedges.spend():  # (else their timeouts hand over)
+                        ask()
                     continue
+                decided = [call for call in done if call.exception() is None]
+                if decided:  # a decision wins over whatever else came back with it (a 429 too)
+                    winner = min(decided, key=pending.__getitem__)  # of those, the replica asked first
+                    won = pending[winner]
+                    for call in done:
+                        k = pending.pop(call)
+                        if call is not winner:  # it answered: not slow, but it may have routed the request too
+                            self.routers[order[k]].cancel_route.remote(attempt)
+                    return self.routers[order[won]], winner.result()
                 for call in done:
-                    k = pending.pop(call)
-                    j = order[k]
+                    j = order[pending.pop(call)]
                     try:
-                        decision = call.result()
+                        call.result()
                     except (RayActorError, asyncio.TimeoutError):
                         self._router_failed_at[j] = time.monotonic()
-                        self.routers[j].on_finish.remote(attempt)  # in case it did route it
+                        self.routers[j].cancel_route.remote(attempt)  # in case it did route it
                     except RayError as exc:
                         cause = getattr(exc, "cause", None)
                         if isinstance(cause, Overloaded):
                             raise _err(429, f"overloaded: {cause}; retry shortly", api) from None
                         no_group = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
-                    else:
-                        won = k
-                        return self.routers[j], decision
                 if asked < n:
                     ask()  # what came back were failures: the next replica, without waiting
         finally:
             # The others asked (all of them when the client left or no decision came): they may have routed the
-            # request, so they forget it. One asked before the winner and still silent is slow or dead (a killed
+            # request, so they cancel it. One asked before the winner and still silent is slow or dead (a killed
             # replica holds calls until Ray has restarted it): it is tried last for a while.
             for call, k in pending.items():
                 call.cancel()
                 call.add_done_callback(lambda c: c.cancelled() or c.exception())  # its late failure is expected
-                self.routers[order[k]].on_finish.remote(attempt)
+                self.routers[order[k]].cancel_route.remote(attempt)
                 if won is not None and k < won:
                     self._router_failed_at[order[k]] = time.monotonic()
         if no_group is not None:

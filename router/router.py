@@ -9,7 +9,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.events import BlockStored, KVEvent
@@ -41,6 +41,11 @@ class _Inflight:
     prefill_tokens: int
     tenant: str = ""
     decoding: bool = False
+    routed_at: float = 0.0
+    # What its route predicted (for ``cancel_route``): each key with the expiry it had for this group before,
+    # None where it was not predicted there, and the expiry this route gave them all.
+    predicted: list[tuple[bytes, float | None]] = field(default_factory=list)
+    predicted_until: float = 0.0
 
 
 class Router:
@@ -196,8 +201,8 @@ class Router:
         group = self.policy.choose(req, open_groups)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
-        self._start(rid, group, num_tokens - hit, tenant)
-        self._predict(keys.take(self.prediction_blocks), group)
+        f = self._start(rid, group, num_tokens - hit, tenant)
+        f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit)
 
     # -- load bookkeeping -------------------------------------------------------------------------------------
@@ -210,11 +215,12 @@ class Router:
             return total
         return int(total * self.tenant_shares.get(tenant, 1.0) / sum(self.tenant_shares.values()))
 
-    def _start(self, rid: str, group: str, prefill_tokens: int, tenant: str = "") -> None:
-        self._inflight[rid] = _Inflight(group, prefill_tokens, tenant)
+    def _start(self, rid: str, group: str, prefill_tokens: int, tenant: str = "") -> _Inflight:
+        f = self._inflight[rid] = _Inflight(group, prefill_tokens, tenant, routed_at=self.clock())
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + prefill_tokens
         self.loads[group].queued_prefill_tokens += prefill_tokens
         self.loads[group].recent_prefill_tokens += prefill_tokens
+        return f
 
     def _decay_recent(self) -> None:
         now = self.clock()
@@ -237,16 +243,39 @@ class Router:
 
     def on_finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed)."""
+        self._finish(request_id)
+
+    def cancel_route(self, request_id: str) -> None:
+        """Undo the route of a request that will not run on it (another replica's route won): it leaves the
+        load, and neither its predictions nor its prefill stay counted for its group. Unknown ids are ignored."""
+        f = self._finish(request_id)
+        if f is None or f.group not in self.loads:
+            return
+        bit, now = self.index.bit(f.group), self.clock()
+        for key, before in f.predicted:
+            if self._predicted_until.get((key, bit)) != f.predicted_until:
+                continue  # confirmed by an event, or predicted again since by another route: that one stands
+            if before is None or before <= now:
+                self._unpredict(key, bit)
+            else:  # it renewed an earlier route's prediction: that one lapses when it would have (its expiry
+                self._predicted_until[(key, bit)] = before  # entry is still queued: it lies in the future)
+        self._decay_recent()
+        load = self.loads[f.group]
+        added = f.prefill_tokens * math.exp(-(now - f.routed_at) / self.recent_window_s)
+        load.recent_prefill_tokens = max(0.0, load.recent_prefill_tokens - added)
+
+    def _finish(self, request_id: str) -> _Inflight | None:
         f = self._inflight.pop(request_id, None)
         if f is not None and not f.decoding:
             self._unqueue(f)
         load = None if f is None else self.loads.get(f.group)
         if load is None:
-            return
+            return f
         if f.decoding:
             load.running -= 1
         else:
             load.queued_prefill_tokens -= f.prefill_tokens
+        return f
 
     def _unqueue(self, f: _Inflight) -> None:
         left = self.queued_by_tenant.get(f.tenant, 0) - f.prefill_tokens
@@ -257,19 +286,24 @@ class Router:
 
     # -- predictions ------------------------------------------------------------------------------------------
 
-    def _predict(self, keys: list[bytes], group: str) -> None:
-        """Count ``keys`` as held by ``group`` until its events confirm them or ``prediction_ttl_s`` passes."""
+    def _predict(self, keys: list[bytes], group: str) -> tuple[list[tuple[bytes, float | None]], float]:
+        """Count ``keys`` as held by ``group`` until its events confirm them or ``prediction_ttl_s`` passes.
+        Returns the keys predicted, each with the expiry it had before (None: not predicted there), and the new
+        expiry."""
         if not keys or self.prediction_ttl_s <= 0:
-            return
+            return [], 0.0
         bit = self.index.bit(group)
         until = self.clock() + self.prediction_ttl_s
         held, predicted, pred_until = self.index.holders, self._predicted, self._predicted_until
         fresh = [k for k in keys if not held(k) & bit]
+        made = []
         for k in fresh:
             predicted[k] = predicted.get(k, 0) | bit
+            made.append((k, pred_until.get((k, bit))))
             pred_until[(k, bit)] = until
         if fresh:
             self._expiry.append((until, bit, fresh))
+        return made, until
 
     def _expire(self) -> None:
         now = self.clock()

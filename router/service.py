@@ -170,6 +170,10 @@ class RouterService:
     def on_finish(self, request_id: str) -> None:
         self.router.on_finish(request_id)
 
+    def cancel_route(self, request_id: str) -> None:
+        """Forget a route that lost to another replica's (hedged routing): load, predictions, recent prefill."""
+        self.router.cancel_route(request_id)
+
     def match(self, tenant: str, token_ids: Sequence[int]) -> dict[str, int]:
         """Leading blocks each group holds for this prompt (for inspection and tests)."""
         return self.router.match(self.router.keys_for(tenant, token_ids))

@@ -1,5 +1,6 @@
 """The gateway's hedged routing (``Gateway._route``) against router replicas that answer late, never, or fail:
-the first decision wins, every other replica asked forgets the route, and a slow replica is asked last after."""
+the first decision wins, every other replica asked cancels the route, and a slow replica is asked last after;
+at most one hedge per request, within a budget."""
 
 from __future__ import annotations
 
@@ -9,38 +10,56 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
-from router.gateway import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, Gateway
+from router.gateway import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, _HedgeBudget
+from router.router import NoGroup, Overloaded
 
 ATTEMPT = "acme-0123-0"
 
 
 class Replica:
     """What ``_route`` uses of a router replica's actor handle: ``route.remote`` decides after ``delay_s``
-    (never when None) or fails with ``error``; the request ids of ``on_finish.remote`` are recorded."""
+    (never when None; when ``gate`` is set, once it is set) or fails with ``error``; the request ids of
+    ``cancel_route.remote`` (``forgot``) and ``on_finish.remote`` (``finished``) are recorded."""
 
-    def __init__(self, name: str, delay_s: float | None = 0.0, error: Exception | None = None) -> None:
-        self.name, self.delay_s, self.error = name, delay_s, error
+    def __init__(self, name: str, delay_s: float | None = 0.0, error: Exception | None = None,
+                 gate: asyncio.Event | None = None) -> None:
+        self.name, self.delay_s, self.error, self.gate = name, delay_s, error, gate
         self.asked: list[str] = []
+        self.asked_at: list[float] = []
         self.forgot: list[str] = []
+        self.finished: list[str] = []
         self.route = SimpleNamespace(remote=self._route)
-        self.on_finish = SimpleNamespace(remote=self.forgot.append)
+        self.cancel_route = SimpleNamespace(remote=self.forgot.append)
+        self.on_finish = SimpleNamespace(remote=self.finished.append)
 
     async def _route(self, tenant: str, prompt: list[int], attempt: str, failed: list[str]):
         self.asked.append(attempt)
-        if self.delay_s is None:
+        self.asked_at.append(time.monotonic())
+        if self.gate is not None:
+            await self.gate.wait()
+        elif self.delay_s is None:
             await asyncio.Event().wait()
-        await asyncio.sleep(self.delay_s)
+        else:
+            await asyncio.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
         return SimpleNamespace(group=f"group-of-{self.name}")
 
 
-def gateway(*replicas: Replica) -> SimpleNamespace:
+class RouterError(RayError):
+    """What a router replica's own exception looks like to the gateway (a ``RayTaskError`` with a cause)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def gateway(*replicas: Replica, budget: _HedgeBudget | None = None) -> SimpleNamespace:
     """The gateway state ``_route`` reads; the first replica is asked first."""
     return SimpleNamespace(routers=list(replicas), _next_router=len(replicas) - 1,
-                           _router_failed_at=[-math.inf] * len(replicas))
+                           _router_failed_at=[-math.inf] * len(replicas), _hedges=budget or _HedgeBudget())
 
 
 async def route(gw, attempt: str = ATTEMPT):
@@ -58,6 +77,7 @@ def test_a_silent_replica_is_hedged_and_forgets_the_route_and_is_asked_last_afte
         assert router is fast and decision.group == "group-of-fast"
         assert HEDGE_DELAY_S <= took < ROUTE_TIMEOUT_S  # no wait for the failover timeout
         assert slow.forgot == [ATTEMPT] and fast.forgot == []  # only the replica that serves it counts it
+        assert slow.finished == fast.finished == []  # a loser's route is cancelled, not finished
         router, _, took = await route(gw, "acme-4567-0")  # the slow replica's turn, but it is tried last now
         assert router is fast and took < HEDGE_DELAY_S and slow.asked == [ATTEMPT]
 
@@ -101,5 +121,109 @@ def test_a_client_leaving_while_replicas_route_makes_every_replica_asked_forget(
         with pytest.raises(asyncio.CancelledError):
             await task
         assert a.forgot == b.forgot == [ATTEMPT]
+
+    asyncio.run(scenario())
+
+
+def test_a_decision_wins_over_an_overload_that_came_back_with_it():
+    for _ in range(20):  # ``done`` is a set: its order is arbitrary
+        gate = asyncio.Event()
+        busy = Replica("busy", error=RouterError(Overloaded("full")), gate=gate)
+        able = Replica("able", gate=gate)
+        gw = gateway(busy, able)
+
+        async def scenario():
+            task = asyncio.ensure_future(route(gw))
+            await asyncio.sleep(HEDGE_DELAY_S + 0.05)  # both asked
+            gate.set()  # both answer in the same loop iteration
+            router, decision, _ = await task
+            assert router is able and decision.group == "group-of-able"
+            assert busy.forgot == [ATTEMPT] and able.forgot == []
+            assert gw._router_failed_at == [-math.inf, -math.inf]  # it answered: not slow
+
+        asyncio.run(scenario())
+
+
+def test_a_replica_that_answered_with_the_winner_is_not_taken_for_slow():
+    for _ in range(20):
+        gate = asyncio.Event()
+        empty = Replica("empty", error=RouterError(NoGroup("none yet")), gate=gate)
+        able = Replica("able", gate=gate)
+        gw = gateway(empty, able)
+
+        async def scenario():
+            task = asyncio.ensure_future(route(gw))
+            await asyncio.sleep(HEDGE_DELAY_S + 0.05)
+            gate.set()
+            router, _, _ = await task
+            assert router is able and gw._router_failed_at == [-math.inf, -math.inf]
+            assert empty.forgot == [ATTEMPT]
+
+        asyncio.run(scenario())
+
+
+def test_two_decisions_at_once_the_replica_asked_first_wins_and_the_other_cancels():
+    gate = asyncio.Event()
+    first, second = Replica("first", gate=gate), Replica("second", gate=gate)
+    gw = gateway(first, second)
+
+    async def scenario():
+        task = asyncio.ensure_future(route(gw))
+        await asyncio.sleep(HEDGE_DELAY_S + 0.05)
+        gate.set()
+        router, _, _ = await task
+        assert router is first and second.forgot == [ATTEMPT] and first.forgot == []
+
+    asyncio.run(scenario())
+
+
+def test_a_request_hedges_once_however_many_replicas_are_slow():
+    a, b, c = Replica("a", delay_s=None), Replica("b", delay_s=None), Replica("c")
+    gw = gateway(a, b, c)
+
+    async def scenario():
+        router, _, took = await route(gw)
+        assert router is c and took >= ROUTE_TIMEOUT_S  # the third is asked once the first timed out
+        assert c.asked_at[0] - a.asked_at[0] >= ROUTE_TIMEOUT_S
+        assert b.asked_at[0] - a.asked_at[0] < ROUTE_TIMEOUT_S  # the one hedge
+        assert a.forgot == b.forgot == [ATTEMPT]
+
+    asyncio.run(scenario())
+
+
+def test_the_hedge_budget_stops_hedging_when_every_replica_is_slow():
+    a, b = Replica("a", delay_s=4 * HEDGE_DELAY_S), Replica("b", delay_s=4 * HEDGE_DELAY_S)
+    gw = gateway(a, b, budget=_HedgeBudget(rate=0.25, burst=1.0))
+
+    async def scenario():
+        for i in range(9):
+            await route(gw, f"acme-{i}-0")
+
+    asyncio.run(scenario())
+    asked = len(a.asked) + len(b.asked)
+    assert asked == 9 + 1 + 2  # the saved-up hedge (request 0), then one per four requests (requests 4 and 8)
+    assert gw._router_failed_at == [-math.inf, -math.inf]  # each answered: none counts as failed
+
+
+def test_the_hedge_budget_earns_per_request_up_to_its_burst():
+    budget = _HedgeBudget(rate=0.5, burst=2.0)
+    assert budget.spend() and budget.spend() and not budget.spend()
+    budget.earn()
+    assert not budget.spend()
+    budget.earn()
+    assert budget.spend() and not budget.spend()
+    for _ in range(10):
+        budget.earn()
+    assert budget.spend() and budget.spend() and not budget.spend()
+
+
+def test_an_overload_with_no_decision_answers_429():
+    busy = Replica("busy", error=RouterError(Overloaded("full")))
+    gw = gateway(busy, Replica("never", delay_s=None))
+
+    async def scenario():
+        with pytest.raises(ApiError) as err:
+            await route(gw)
+        assert err.value.status == 429
 
     asyncio.run(scenario())

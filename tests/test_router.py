@@ -258,3 +258,50 @@ def test_a_tenant_filling_every_queue_is_refused_while_another_tenant_is_still_s
     router.on_finish(served.request_id)
     assert router.queued_by_tenant == {}
     assert router.route("acme", list(range(6000, 6010))).group in ("g0", "g1")
+
+
+def test_a_cancelled_route_leaves_no_load_prediction_or_recent_prefill_behind():
+    now = [0.0]
+    router = Router(["g0", "g1"], SECRET, prediction_ttl_s=10.0, clock=lambda: now[0])
+    prompt = list(range(64))
+    keys = router.keys_for("acme", prompt)
+    d = router.route("acme", prompt, "lost-hedge")
+    assert router.match(keys) == {d.group: 4} and router.loads[d.group].recent_prefill_tokens == 64
+    now[0] = 3.0
+    router.cancel_route("lost-hedge")
+    load = router.loads[d.group]
+    assert (load.queued_prefill_tokens, load.running, load.recent_prefill_tokens) == (0, 0, 0)
+    assert router.match(keys) == {} and router.queued_by_tenant == {}
+    router.cancel_route("lost-hedge")  # a second cancel, or one for a route this replica never made: nothing
+    router.cancel_route("never-routed")
+    assert router.match(keys) == {} and load.queued_prefill_tokens == 0
+
+
+def test_cancelling_a_route_keeps_the_predictions_of_the_routes_that_stand():
+    now = [0.0]
+    router = Router(["g0"], SECRET, prediction_ttl_s=10.0, clock=lambda: now[0])
+    keys = router.keys_for("acme", list(range(64)))
+    router.route("acme", list(range(64)), "first")  # predicts all 4 blocks until t=10
+    now[0] = 4.0
+    router.route("acme", list(range(64)), "renewing")  # renews them until t=14
+    router.cancel_route("renewing")
+    assert router.match(keys) == {"g0": 4}  # the first route's prediction stands...
+    now[0] = 10.5
+    assert router.match(keys) == {}  # ...until it lapses when it would have
+    now[0] = 11.0
+    router.route("acme", list(range(64)), "earlier")  # until t=21
+    now[0] = 12.0
+    router.route("acme", list(range(64)), "later")  # until t=22: predicted again after "earlier"
+    router.cancel_route("earlier")
+    assert router.match(keys) == {"g0": 4}
+    router.on_finish("later")
+    assert router.match(keys) == {"g0": 4}  # a finished request's prediction stays until events confirm it
+
+
+def test_a_cancelled_route_whose_blocks_an_event_confirmed_keeps_them():
+    router = Router(["g0"], SECRET)
+    keys = router.keys_for("acme", list(range(32)))
+    router.route("acme", list(range(32)), "r")
+    router.apply_event("g0", BlockStored(keys, None))
+    router.cancel_route("r")
+    assert router.match(keys) == {"g0": 2}
