@@ -22,7 +22,7 @@ DEMO_QUESTIONS = ("How much is an electric bike for two days?", "Do I need to br
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from common.demo_model import write_demo_model
+    from worker.models.demo_model import write_demo_model
 
     path = write_demo_model(args.dir, args.variant, args.seed)
     print(f"wrote the {args.variant} demo model to {path}")
@@ -81,8 +81,8 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from router.policy import POLICIES
-    from router.replay import format_result, load_trace, replay
+    from router.routing.policy import POLICIES
+    from router.sim.replay import format_result, load_trace, replay
 
     trace = load_trace(args.trace, tenants=args.tenants, limit=args.limit)
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
@@ -102,7 +102,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_route(args: argparse.Namespace) -> int:
-    from router import bench
+    from router.sim import bench
 
     bench.route_latency(
         prompt_tokens=args.prompt_tokens, index_keys=args.index_keys, groups=args.groups,
@@ -112,13 +112,13 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from router import loadgen
+    from router.sim import loadgen
 
     return loadgen.run(args)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from router import serve
+    from router.control import serve
 
     return serve.run(args.config, address=args.address, redis_url=args.redis)
 
@@ -249,13 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--calls", type=int, default=300)
     r.set_defaults(func=_cmd_bench_route)
-    from router.loadgen import add_arguments
+    from router.sim.loadgen import add_arguments
 
     bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
     add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serve)
 
-    from router.policy import POLICIES
+    from router.routing.policy import POLICIES
 
     rp = sub.add_parser("replay", help="replay a request trace through the router and simulated worker groups")
     rp.add_argument("--trace", required=True, help="JSONL trace (timestamp, input_length, output_length, hash_ids)")

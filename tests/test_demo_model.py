@@ -19,8 +19,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import demo_model
-from common.demo_model import DEMO_VARIANTS, SPECIAL_TOKENS, resolve_model, write_demo_model
+from worker.models import demo_model
+from worker.models.demo_model import DEMO_VARIANTS, SPECIAL_TOKENS, resolve_model, write_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILES = (
@@ -153,7 +153,7 @@ def test_builds_are_byte_identical(tmp_path: Path, folders: dict[str, Path]) -> 
         assert (again / name).read_bytes() == (folders["llama"] / name).read_bytes(), name
 
     # A fresh process retrains the tokenizer from scratch; it must come out the same.
-    script = "import sys; from common.demo_model import write_demo_model; write_demo_model(sys.argv[1], 'qwen2')"
+    script = "import sys; from worker.models.demo_model import write_demo_model; write_demo_model(sys.argv[1], 'qwen2')"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "other")], cwd=REPO_ROOT, env=env, check=True)
     for name in FILES:

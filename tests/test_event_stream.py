@@ -6,7 +6,7 @@ from __future__ import annotations
 from common.event_stream import RedisStreamSink, RedisStreamSubscription, stream_name
 from common.events import AllCleared, BlockRemoved, BlockStored
 from common.sampling import SamplingParams
-from router.router import Router
+from router.routing.router import Router
 
 SECRET = b"stream-secret"
 

@@ -12,7 +12,7 @@ def test_gateway_replicas_spread_over_the_frontend_cpu_nodes_and_never_on_a_gpu_
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from router.serve import FRONTEND_RESOURCE, frontend_actor_options
+    from router.control.serve import FRONTEND_RESOURCE, frontend_actor_options
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "resources": {"fake_gpu": 2}, "node_ip_address": "127.0.0.1", "include_dashboard": False})

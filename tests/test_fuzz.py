@@ -25,11 +25,11 @@ import pytest
 from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, serving
 from pydantic import BaseModel, ValidationError
 
-from common.demo_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
+from worker.models.demo_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 from common.model_config import load_tokenizer
-from router.admin import MatchRequest, ScaleRequest
-from router.apis import CachedContentPatch, CachedContentRequest, ChatRequest, CompletionRequest, MessagesRequest
-from router.chat import encode_chat
+from router.gateway.admin import MatchRequest, ScaleRequest
+from router.gateway.protocol import CachedContentPatch, CachedContentRequest, ChatRequest, CompletionRequest, MessagesRequest
+from router.gateway.chat import encode_chat
 
 PER_FAMILY = 5000
 IN_FLIGHT = 16

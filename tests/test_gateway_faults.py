@@ -31,7 +31,7 @@ from harness import (
     write_config,
 )
 
-from router.store import read_usage
+from router.gateway.store import read_usage
 
 INITECH_KEY = "sk-initech-test-1"  # requests_per_s: 1
 UMBRELLA_KEY = "sk-umbrella-test1"  # max_inflight_requests: 2

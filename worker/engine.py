@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.demo_model import resolve_model
+from worker.models.demo_model import resolve_model
 from common.events import EventSink
 from common.hashing import HASH_ALGOS, new_secret, tenant_root_key
 from common.model_config import ModelConfig, load_tokenizer

@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group_table
 from common.event_stream import stream_client
 from common.protocol import Submit, iter_outputs
 from common.sampling import SamplingParams
-from router.service import restarted
+from router.routing.service import restarted
 from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
 
 STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"

@@ -1,5 +1,5 @@
 """Mooncake-format request traces (``tests/data/README.md``), read the same way by ``kvgrid bench serve --trace``
-(router/loadgen.py) and ``kvgrid replay`` (router/replay.py): one JSON object per line with ``timestamp`` (ms),
+(router/sim/loadgen.py) and ``kvgrid replay`` (router/sim/replay.py): one JSON object per line with ``timestamp`` (ms),
 ``input_length``, ``output_length`` and ``hash_ids``, one id per ``MOONCAKE_BLOCK`` tokens of the prompt."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from router.policy import GroupLoad
-from router.router import RouteDecision, Router
+from router.routing.policy import GroupLoad
+from router.routing.router import RouteDecision, Router
 
 REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
 GROUP_CALL_TIMEOUT_S = 30.0  # a group's leader that does not hand over its events within this is skipped

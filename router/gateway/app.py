@@ -31,7 +31,7 @@ from common.model_config import ModelConfig, load_tokenizer
 from common.outputs import RequestOutput
 from common.protocol import GroupLink, GroupUnhealthyError, RequestAborted, RequestFailed, Submit
 from common.sampling import SamplingParams
-from router.apis import (
+from router.gateway.protocol import (
     MAX_BODY_BYTES,
     BodyError,
     CachedContentPatch,
@@ -41,9 +41,9 @@ from router.apis import (
     MessagesRequest,
     parse_body,
 )
-from router.chat import ChatPrompt, ChatTemplateError, encode_chat
-from router.router import NoGroup, Overloaded
-from router.store import (
+from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
+from router.routing.router import NoGroup, Overloaded
+from router.gateway.store import (
     CachedContentStore,
     EntryStore,
     KeyRing,
@@ -413,7 +413,7 @@ class Gateway:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _chat(self, messages: list[dict[str, str]], api: str, generation: bool = True) -> ChatPrompt:
-        """The chat template applied to ``messages``; their texts never become special tokens (router/chat.py)."""
+        """The chat template applied to ``messages``; their texts never become special tokens (router/gateway/chat.py)."""
         try:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
         except ChatTemplateError as exc:

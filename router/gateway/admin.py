@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
-from router.apis import BodyError, parse_body
-from router.store import KeyRing, presented_key
+from router.gateway.protocol import BodyError, parse_body
+from router.gateway.store import KeyRing, presented_key
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
 DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)

@@ -7,7 +7,7 @@ import random
 import time
 
 from common.events import BlockStored
-from router.router import Router
+from router.routing.router import Router
 
 
 def route_latency(

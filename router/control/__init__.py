@@ -1,0 +1,1 @@
+"""Cluster control: the group supervisor and `kvgrid serve`, which starts it all."""
