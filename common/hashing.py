@@ -56,6 +56,21 @@ def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128") ->
     return mac[: key_size(algo)]
 
 
+class RootKeys:
+    """The root keys of every tenant seen so far under one secret and hash algorithm, each computed once (the
+    router and the engine ask for one per request). Server side only: a root key is never sent to a client."""
+
+    def __init__(self, secret: bytes | str, algo: str = "xxh3_128") -> None:
+        self.secret, self.algo = secret, algo
+        self._keys: dict[str, bytes] = {}
+
+    def __call__(self, tenant: str) -> bytes:
+        key = self._keys.get(tenant)
+        if key is None:
+            key = self._keys[tenant] = tenant_root_key(self.secret, tenant, self.algo)
+        return key
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (what block keys hash)."""
     try:

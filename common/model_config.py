@@ -77,6 +77,13 @@ class ModelConfig:
         )
 
 
+def max_model_len(mcfg: ModelConfig, limit: int | None = None) -> int:
+    """The longest sequence (prompt and output) served: the configured ``limit`` (``max_model_len`` of the
+    engine or serve config; None: no limit of its own) within the model's context. The engine enforces it and
+    the gateway checks requests against the same number."""
+    return min(limit or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+
+
 def _eos_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
     gen = path / "generation_config.json"

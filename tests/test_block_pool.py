@@ -19,7 +19,7 @@ ROOTS = {"acme": ROOT, "globex": tenant_root_key(b"test-secret", "globex")}
 
 
 def make_seq(rid: str, tokens: list[int], root: bytes = ROOT, tenant: str = "acme") -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(max_tokens=4), tenant, root, BS)
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), tenant, root)
 
 
 def compute_all(kv: KVCacheManager, seq: Sequence) -> None:

@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
+from common.checks import is_power_of_two
 from common.events import BlockStored, ListSink
 from common.hashing import block_keys
+from common.model_config import ModelConfig, max_model_len
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
 
@@ -216,3 +218,20 @@ def test_a_request_filling_the_cache_exactly_is_accepted(demo_path):
     # 16 prompt tokens and one output token: only the 16 prompt tokens ever need K/V.
     out = engine.generate([list(range(16))], SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert len(out.token_ids) == 1
+
+
+def test_max_model_len_is_the_configured_limit_within_the_models_context(demo_path):
+    mcfg = ModelConfig.from_folder(demo_path)
+    ctx = mcfg.max_position_embeddings
+    assert max_model_len(mcfg, None) == ctx and max_model_len(mcfg, ctx + 1000) == ctx
+    assert max_model_len(mcfg, 100) == 100
+    assert engine_for(demo_path, num_blocks=8, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match="context is 100"):
+        engine_for(demo_path, num_blocks=8, max_model_len=100).add_request(list(range(100)))
+
+
+@pytest.mark.parametrize("bad", [0, 3, 12, -16])
+def test_block_size_must_be_a_power_of_two(bad):
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(block_size=bad)
+    assert [n for n in range(-4, 70) if is_power_of_two(n)] == [1, 2, 4, 8, 16, 32, 64]

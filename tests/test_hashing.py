@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from common.hashing import block_keys, key_size, tenant_root_key
+from common import hashing
+from common.hashing import RootKeys, block_keys, key_size, tenant_root_key
 
 TOKENS = list(range(1000, 1070))  # 4 full blocks of 16 and 6 tokens over
 
@@ -100,3 +101,16 @@ def test_chunk_cache_returns_the_same_keys_and_is_keyed_by_the_parent():
         tokens, 16, other
     )
     assert len(cache._chunks) == 4
+
+
+def test_root_keys_memo_gives_the_hmac_root_and_computes_each_tenant_once(monkeypatch):
+    calls = []
+    real = hashing.tenant_root_key
+    monkeypatch.setattr(hashing, "tenant_root_key", lambda *a: calls.append(a[1]) or real(*a))
+    roots = RootKeys("secret", "sha256")
+    assert roots("acme") == real(b"secret", "acme", "sha256") and len(roots("acme")) == 32
+    assert roots("globex") == real(b"secret", "globex", "sha256") != roots("acme")
+    assert roots("acme") is roots("acme")
+    assert calls == ["acme", "globex"]
+    with pytest.raises(ValueError, match="secret"):
+        RootKeys(b"")("acme")

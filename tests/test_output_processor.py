@@ -89,7 +89,7 @@ class _SliceCounter(list):
 def test_appending_a_token_copies_a_few_tokens_not_the_whole_output(tokenizer):
     ids = tokenizer("plain text, every token a whole word or sign. " * 8 + MULTIBYTE)["input_ids"]
     proc = OutputProcessor(tokenizer, [], 10**6, 16)
-    seq = Sequence("r", list(range(5, 105)), SamplingParams(max_tokens=10**6, ignore_eos=True), "t", b"k", 16)
+    seq = Sequence("r", list(range(5, 105)), SamplingParams(max_tokens=10**6, ignore_eos=True), "t", b"k")
     seq.token_ids = _SliceCounter(seq.token_ids)
     for tok in ids:
         proc.append(seq, SampleResult(tok, None, None), 0.0)
@@ -107,7 +107,7 @@ class _Finisher:
 
 
 def run(proc: OutputProcessor, ids: list[int], params: SamplingParams):
-    seq = Sequence("r", [7, 8, 9], params, "t", b"k", 16)
+    seq = Sequence("r", [7, 8, 9], params, "t", b"k")
     outs = []
     for tok in ids:
         reason = proc.append(seq, SampleResult(tok, None, None), 0.0)

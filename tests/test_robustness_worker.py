@@ -94,7 +94,7 @@ def test_a_huge_stop_list_is_refused_before_it_is_scanned():
 
 
 def seq_with(**kw) -> Sequence:
-    return Sequence("r", [1, 2, 3], SamplingParams(max_tokens=4, **kw), "t", b"k" * 16, 16)
+    return Sequence("r", [1, 2, 3], SamplingParams(max_tokens=4, **kw), "t", b"k" * 16)
 
 
 def test_sampler_survives_non_finite_logits_and_extreme_parameters():

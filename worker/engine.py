@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.models.demo_model import resolve_model
+from common.checks import is_power_of_two
 from common.events import EventSink
-from common.hashing import HASH_ALGOS, new_secret, tenant_root_key
-from common.model_config import ModelConfig, load_tokenizer
+from common.hashing import HASH_ALGOS, RootKeys, new_secret
+from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 from worker.attention import get_backend
@@ -70,7 +71,7 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_power_of_two(self.block_size):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
@@ -116,13 +117,8 @@ def build_runner(config: EngineConfig) -> ModelRunner:
     runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
     if config.cuda_graphs:
-        runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(config, mcfg))
+        runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))
     return runner
-
-
-def max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
-    """The longest sequence (prompt and output) the engine serves: the config's limit within the model's."""
-    return min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
 
 
 class Engine:
@@ -132,7 +128,7 @@ class Engine:
         self.model_config = mcfg = self.runner.mcfg
         self.model_path = mcfg.path
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        self.max_model_len = max_model_len(config, mcfg)
+        self.max_model_len = max_model_len(mcfg, config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_path)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares)
@@ -140,8 +136,7 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
         secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
-        self._secret = secret.encode() if isinstance(secret, str) else secret
-        self._roots: dict[str, bytes] = {}
+        self.root_key = RootKeys(secret, config.hash_algo)  # tenant -> its root key (never sent to a client)
         self._seqs: dict[str, Sequence] = {}
         # Explicit cache entries by their last block's key: (tenant, prompt tokens, deadline). What a draining
         # group hands over so another group can recompute and pin them.
@@ -151,13 +146,6 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
-
-    def root_key(self, tenant: str) -> bytes:
-        """The tenant's root key (server side only: never sent to a client)."""
-        key = self._roots.get(tenant)
-        if key is None:
-            key = self._roots[tenant] = tenant_root_key(self._secret, tenant, self.config.hash_algo)
-        return key
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -180,7 +168,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant), self.config.block_size)
+        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant))
         seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

@@ -103,7 +103,6 @@ class Scheduler:
         self.kv.release(seq)
         self._release_inflight(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

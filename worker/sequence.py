@@ -28,7 +28,6 @@ class Sequence:
         params: SamplingParams,
         tenant: str,
         root_key: bytes,
-        block_size: int,
     ) -> None:
         self.request_id = request_id
         # The prompt, kept apart from ``token_ids`` (which grows) so every output can share it without a copy.
@@ -38,7 +37,6 @@ class Sequence:
         self.params = params
         self.tenant = tenant
         self.root_key = root_key
-        self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[Block] = []
         self._ids_of: list[Block] | None = None  # the table ``_ids`` holds the ids of
@@ -49,7 +47,6 @@ class Sequence:
         # Prompt tokens served from the cache on first admission (what usage reports).
         self.num_cached_tokens = 0
         self.admitted = False
-        self.num_preemptions = 0
         self.pin_blocks = 0  # leading full blocks to pin once computed or hit
         self.pin_ttl_s = 0.0
         self.num_pinned_blocks = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.events import BlockStored, KVEvent
-from common.hashing import ChunkKeyCache, block_keys, iter_key_chunks, tenant_root_key
+from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
 from router.routing.index import PrefixIndex, clear_bit
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
@@ -66,7 +66,6 @@ class Router:
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.secret = secret.encode() if isinstance(secret, str) else secret
         self.block_size = block_size
         self.hash_algo = hash_algo
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -81,7 +80,7 @@ class Router:
         self._decayed_at = clock()
         self.events = events
         self.clock = clock
-        self._roots: dict[str, bytes] = {}
+        self.root_key = RootKeys(secret, hash_algo)  # tenant -> its root key
         self._chunk_cache = ChunkKeyCache()
         self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
         self._predicted_until: dict[tuple[bytes, int], float] = {}  # (key, bit) -> when it lapses
@@ -143,12 +142,6 @@ class Router:
         return len(batch)
 
     # -- routing ----------------------------------------------------------------------------------------------
-
-    def root_key(self, tenant: str) -> bytes:
-        key = self._roots.get(tenant)
-        if key is None:
-            key = self._roots[tenant] = tenant_root_key(self.secret, tenant, self.hash_algo)
-        return key
 
     def keys_for(self, tenant: str, token_ids: Sequence[int]) -> list[bytes]:
         """The same keys the workers compute for this tenant's prompt."""

@@ -13,7 +13,6 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from router.routing.policy import GroupLoad
 from router.routing.router import RouteDecision, Router
 
 REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
@@ -182,9 +181,6 @@ class RouterService:
         """Like ``match``, but from the groups' events alone (no predictions): what this replica has learned
         from the streams, whichever replica routed the prompt."""
         return self.router.index.match(self.router.keys_for(tenant, token_ids))
-
-    def loads(self) -> dict[str, GroupLoad]:
-        return dict(self.router.loads)
 
     async def add_group(self, group: str, leader) -> None:
         """Route to ``group`` from now on; its index is read from the start of its events. Adding a group again

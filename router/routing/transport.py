@@ -1,6 +1,8 @@
-"""How KV events reach the routers. A transport is an append-only log of ``(group, event)``; every router
-replica reads it with its own cursor, so each keeps a full copy of the index. In-process here; the gateway
-issue adds Redis Streams with the same shape."""
+"""How KV events reach a ``Router``: a ``Subscription`` it polls for ``(group, event)`` pairs in order. Every router
+replica reads with its own cursor, so each keeps a full copy of the index. A live replica reads the groups'
+Redis streams (``common.event_stream.RedisStreamSubscription``, or the groups' own event logs over Ray: see
+``router.routing.service``); ``InProcessTransport`` is the in-memory log the simulator (``kvgrid replay``) and
+tests publish to."""
 
 from __future__ import annotations
 
@@ -13,12 +15,6 @@ class Subscription(Protocol):
     def poll(self) -> list[tuple[str, KVEvent]]:
         """Events published since the previous poll, in order."""
         ...
-
-
-class EventTransport(Protocol):
-    def publish(self, group: str, events: list[KVEvent]) -> None: ...
-
-    def subscribe(self) -> Subscription: ...
 
 
 class InProcessTransport:

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.hashing import block_keys, tenant_root_key
+from common.hashing import RootKeys, block_keys
 from worker.block_pool import Block, BlockPool
 from router.routing.policy import make_policy
 from router.routing.router import Router
@@ -49,12 +49,13 @@ def load_trace(path: str | Path, tenants: int = 1, limit: int | None = None) -> 
     """The first ``limit`` requests of a trace (``router.sim.trace.read_mooncake``), with their block keys."""
     if tenants < 1:
         raise ValueError("tenants must be >= 1")
-    roots = [tenant_root_key(REPLAY_SECRET, f"tenant-{t}") for t in range(tenants)]
+    root_key = RootKeys(REPLAY_SECRET)
     out = []
     for e in read_mooncake(path, limit):
         ids = list(e.hash_ids)
         tenant = (ids[1] if len(ids) > 1 else ids[0]) % tenants if ids else 0
-        out.append(TraceRequest(e.timestamp_s, e.input_length, e.output_length, block_keys(ids, 1, roots[tenant])))
+        keys = block_keys(ids, 1, root_key(f"tenant-{tenant}"))
+        out.append(TraceRequest(e.timestamp_s, e.input_length, e.output_length, keys))
     return out
 
 

@@ -7,6 +7,7 @@ import os
 import torch
 import triton
 
+from common.checks import is_power_of_two
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.attention.triton_kernels import _merge_splits_kernel, _paged_attention_kernel, _write_kv_kernel
 
@@ -60,7 +61,7 @@ def paged_attention(
     group = heads // kv_heads
     out = torch.empty_like(q) if out is None else out
     splits = pick_num_splits(md, kv_heads) if num_splits is None else num_splits
-    assert splits & (splits - 1) == 0, "num_splits must be a power of two"
+    assert is_power_of_two(splits), "num_splits must be a power of two"
     # Enough query tokens per program that the dot's row count (tokens x group) is at least 16.
     block_q = max(16 // group, 1) if md.max_query_len <= 16 // max(group, 1) else max(64 // group, 1)
     block_n = block_n or (64 if INTERPRET else (64 if head_dim > 64 else 128))
