@@ -79,7 +79,7 @@ def test_finished_sequence_frees_tail_first_so_its_tail_is_evicted_first():
     keys = list(seq.block_keys[:3])
     kv.release(seq)
     sink.drain()
-    kv.pool.allocate(2)  # the uncached partial tail block, then the last full block
+    kv._pool.allocate(2)  # the uncached partial tail block, then the last full block
     assert sink.events == [BlockRemoved([keys[2]])]
 
 
@@ -108,6 +108,7 @@ def test_stored_events_carry_the_chained_keys_the_router_computes():
     tokens = list(range(100, 113))
     compute_all(kv, make_seq("a", tokens))
     assert sink.events == [BlockStored(block_keys(tokens, BS, ROOT), None)]  # the root key is never published
+    assert kv.cached_keys() == block_keys(tokens, BS, ROOT)
 
 
 def test_reset_clears_only_when_idle():
@@ -115,9 +116,9 @@ def test_reset_clears_only_when_idle():
     kv = KVCacheManager(8, BS, "xxh3_128", sink)
     seq = make_seq("a", list(range(9)))
     compute_all(kv, seq)
-    assert not kv.pool.reset()
+    assert not kv.reset()
     kv.release(seq)
-    assert kv.pool.reset() and kv.pool.usage().cached == 0
+    assert kv.reset() and kv.usage().cached == 0 and kv.cached_keys() == []
     assert sink.events[-1] == AllCleared()
 
 
@@ -212,19 +213,19 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), ttl=st.floats(0.5, 5.0), limit=st.one_of(st.none(), st.integers(0, 4)))
     def pin(self, i: int, ttl: float, limit: int | None) -> None:
         seq = self.live[i % len(self.live)]
-        before = self.kv.pool.pinned_blocks_of["acme"]
-        self.kv.pool.pin(seq.block_keys[: seq.num_registered_blocks], self.now + ttl, "acme", limit)
+        before = self.kv._pool.pinned_blocks_of["acme"]
+        self.kv.pin(seq.block_keys[: seq.num_registered_blocks], self.now + ttl, "acme", limit)
         if limit is not None:  # a limit stops new pins, never refreshes
-            assert self.kv.pool.pinned_blocks_of["acme"] <= max(before, limit)
+            assert self.kv._pool.pinned_blocks_of["acme"] <= max(before, limit)
 
     @rule(dt=st.floats(0.0, 3.0))
     def advance_clock(self, dt: float) -> None:
         self.now += dt
-        self.kv.pool.expire_pins(self.now)
+        self.kv.expire_pins(self.now)
 
     @invariant()
     def pool_is_consistent(self) -> None:
-        pool = self.kv.pool
+        pool = self.kv._pool  # white box: the pool's own bookkeeping
         queued = {b.block_id for b in pool.free_blocks()}
         refs = {b.block_id: 0 for b in pool.blocks}
         for seq in self.live:
@@ -251,9 +252,9 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for seq in self.live:
             self.kv.release(seq)
-        self.kv.pool.expire_pins(self.now + 1e9)
-        assert self.kv.pool.num_free == self.kv.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
+        self.kv.expire_pins(self.now + 1e9)
+        assert self.kv.usage().free + self.kv.usage().cached == self.kv._pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.kv._pool.blocks)
 
 
 TestPoolMachine = PoolMachine.TestCase

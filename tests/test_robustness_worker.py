@@ -232,7 +232,7 @@ def test_an_overflowing_event_buffer_is_replaced_by_a_snapshot_once_redis_is_bac
 
     def keys() -> list[bytes]:
         with lock:
-            return list(holder[0].kv.pool.key_to_block)
+            return holder[0].kv.cached_keys()
 
     # Redis is not running yet: creating the sink and the engine must not need it.
     sink = RedisStreamSink(stream_client(url, timeout_s=0.5), "e0", snapshot=keys, max_buffer=4)
@@ -246,12 +246,12 @@ def test_an_overflowing_event_buffer_is_replaced_by_a_snapshot_once_redis_is_bac
     proc = start_redis_on(port, tmp_path)
     try:
         with lock:
-            pool = set(eng.kv.pool.key_to_block)
+            pool = set(eng.kv.cached_keys())
         assert pool
         wait_for_stream(url, "e0", pool)
         with lock:
             eng.generate([list(range(3000, 3040))], GREEDY)  # and it carries on after the snapshot
-            pool = set(eng.kv.pool.key_to_block)
+            pool = set(eng.kv.cached_keys())
         wait_for_stream(url, "e0", pool)
     finally:
         sink.close(1)

@@ -225,7 +225,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, compute, sample, and report every request that produced tokens."""
         now = time.monotonic()
-        if self.kv.pool.expire_pins(now) and self._pin_entries:
+        if self.kv.expire_pins(now) and self._pin_entries:
             self._prune_pin_entries(now)
         batch = self.scheduler.schedule()
         if not batch:
@@ -267,7 +267,7 @@ class Engine:
     def _pin(self, seq: Sequence, now: float) -> None:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
         upto = min(seq.pin_blocks, seq.num_registered_blocks)
-        seq.num_pinned_blocks = self.kv.pool.pin(
+        seq.num_pinned_blocks = self.kv.pin(
             seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant, self.pin_limit_blocks(seq.tenant),
             int(self.config.max_pinned_fraction * self.num_blocks),
         )
@@ -339,7 +339,7 @@ class Engine:
                         return
 
     def stats(self) -> EngineStats:
-        usage = self.kv.pool.usage()
+        usage = self.kv.usage()
         sched = self.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
                      if s.num_tokens - s.num_computed_tokens > 1)
@@ -358,4 +358,4 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while idle); publishes ``AllCleared``."""
-        return self.kv.pool.reset()
+        return self.kv.reset()

@@ -1,4 +1,6 @@
-"""Per-request KV allocation on top of the block pool: prefix lookup, growth, registration, release."""
+"""Per-request KV allocation on top of the block pool: prefix lookup, growth, registration, release, and the
+pool-wide operations the engine needs (pins, usage, reset, the cached keys). The manager owns its pool: the
+engine and the worker group go through these methods, never to the pool itself."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 
 from common.events import EventSink
 from common.hashing import block_keys
-from worker.block_pool import Block, BlockPool
+from worker.block_pool import Block, BlockPool, PoolUsage
 from worker.sequence import Sequence
 
 
@@ -21,14 +23,22 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """One engine's KV blocks: which blocks each sequence holds, and the pool they come from."""
+
     def __init__(
         self, num_blocks: int, block_size: int, hash_algo: str, sink: EventSink | None = None,
         shares: dict[str, float] | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self.pool = BlockPool(num_blocks, sink, shares)
+        self._pool = BlockPool(num_blocks, sink, shares)
         self.stats: dict[str, PrefixCacheStats] = defaultdict(PrefixCacheStats)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The pool itself. Transitional: only ``worker/group.py`` still reads it (``cached_keys`` is its
+        replacement); everything else uses the methods below."""
+        return self._pool
 
     def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The first ``num_blocks`` full-block keys of ``seq``, hashing only blocks not hashed before."""
@@ -41,7 +51,7 @@ class KVCacheManager:
 
     def find_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached leading blocks of ``seq``, leaving at least its last token to compute."""
-        return self.pool.cached_prefix(self.keys_of(seq, (seq.num_tokens - 1) // self.block_size))
+        return self._pool.cached_prefix(self.keys_of(seq, (seq.num_tokens - 1) // self.block_size))
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""
@@ -53,12 +63,12 @@ class KVCacheManager:
         fresh = -(-(len(prefix) * self.block_size + num_new_tokens) // self.block_size) - len(prefix)
         # Touching a cached-but-free prefix block takes it out of the free queue too.
         reclaimed = sum(1 for b in prefix if b.ref_cnt == 0)
-        return fresh + reclaimed <= self.pool.num_free
+        return fresh + reclaimed <= self._pool.num_free
 
     def admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> None:
         """Attach the cached ``prefix`` (no copy) and allocate blocks for the next ``num_new_tokens``."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        self.pool.touch(prefix)
+        self._pool.touch(prefix)
         seq.block_table = list(prefix)
         seq.num_computed_tokens = len(prefix) * self.block_size
         seq.num_registered_blocks = len(prefix)
@@ -72,13 +82,12 @@ class KVCacheManager:
         ok = self.grow(seq, num_new_tokens)
         assert ok, "admit() without can_admit()"
 
-
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens; False (and nothing allocated) if the pool is short."""
         n = self.blocks_needed(seq, num_new_tokens)
-        if n > self.pool.num_free:
+        if n > self._pool.num_free:
             return False
-        seq.block_table.extend(self.pool.allocate(n, seq.tenant))
+        seq.block_table.extend(self._pool.allocate(n, seq.tenant))
         return True
 
     def register(self, seq: Sequence) -> list[bytes]:
@@ -90,13 +99,38 @@ class KVCacheManager:
         keys = self.keys_of(seq, num_full)[start:]
         # A prompt's first block has the tenant's root key as its parent: that key never leaves the engine.
         parent = seq.block_keys[start - 1] if start else None
-        self.pool.cache(seq.block_table[start:num_full], keys, parent, seq.tenant)
+        self._pool.cache(seq.block_table[start:num_full], keys, parent, seq.tenant)
         seq.num_registered_blocks = num_full
         return keys
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's blocks, tail first; their computed content stays cached until evicted."""
-        self.pool.free(reversed(seq.block_table))
+        self._pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    # -- the pool as a whole ----------------------------------------------------------------------------------
+
+    def pin(
+        self, keys: list[bytes], until: float, tenant: str, limit_blocks: int | None = None,
+        total_limit_blocks: int | None = None,
+    ) -> int:
+        """Pin (or refresh) the cached blocks of ``keys`` until ``until``; returns how many leading keys are
+        pinned (see ``BlockPool.pin`` for the limits)."""
+        return self._pool.pin(keys, until, tenant, limit_blocks, total_limit_blocks)
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose deadline has passed; returns how many."""
+        return self._pool.expire_pins(now)
+
+    def usage(self) -> PoolUsage:
+        return self._pool.usage()
+
+    def reset(self) -> bool:
+        """Forget every cached block (only while no block is in use); returns whether it happened."""
+        return self._pool.reset()
+
+    def cached_keys(self) -> list[bytes]:
+        """The key of every block the pool holds cached (in use or free): a snapshot of what it has published."""
+        return list(self._pool.key_to_block)
