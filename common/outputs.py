@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended. A str enum: the values are what the APIs and the wire carry, and each compares equal
+    to its value."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # cancelled before it finished
+    ERROR = "error"  # the engine failed this request alone
 
 
 @dataclass
@@ -15,14 +26,14 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced since the previous output for this request
     delta_text: str  # text that became final since the previous output
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    finish_reason: FinishReason | None  # once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_pinned_tokens: int = 0  # prompt tokens this request pinned or refreshed (explicit cache entry)
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None
     ttft: float | None = None  # seconds from arrival to the first output token
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
-    error: str | None = None  # why the engine failed this request alone (finish_reason "error")
+    error: str | None = None  # why the engine failed this request alone (finish_reason ERROR)
 
     @property
     def num_prompt_tokens(self) -> int:

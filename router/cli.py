@@ -182,13 +182,24 @@ def _admin_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_demo_model(sub)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_scale_and_groups(sub)
+    _add_bench(sub)
+    _add_replay(sub)
+    return p
 
+
+def _add_demo_model(sub) -> None:
     d = sub.add_parser("demo-model", help="write the deterministic demo model (HF format) into DIR")
     d.add_argument("dir")
     d.add_argument("--variant", default="llama", choices=["llama", "qwen2"])
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_demo_model)
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="run prompts through one engine offline and show prefix-cache reuse")
     g.add_argument("--model", default="demo", help="HF model folder, or 'demo' (built on first use)")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two sharing a long prefix")
@@ -200,12 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.set_defaults(func=_cmd_generate)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve the model to every tenant of a config over HTTP (Ctrl-C stops)")
     s.add_argument("--config", required=True, help="YAML config (see README)")
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
     s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
     s.set_defaults(func=_cmd_serve)
 
+
+def _add_scale_and_groups(sub) -> None:
+    """The admin API's commands."""
     sc = sub.add_parser("scale", help="start or drain worker groups of a running server (admin API)")
     sc.add_argument("--groups", type=int, required=True, help="how many groups to run")
     sc.add_argument("--remove", action="append", metavar="GROUP",
@@ -219,8 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_args(gr)
     gr.set_defaults(func=_cmd_groups)
 
+
+def _add_bench(sub) -> None:
+    from router.sim.loadgen import add_arguments
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
+    _add_bench_engine(bsub)
+    _add_bench_tp(bsub)
+    _add_bench_route(bsub)
+    bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
+    add_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
+
+
+def _add_bench_engine(bsub) -> None:
     e = bsub.add_parser("engine", help="TTFT cold vs. cached prefix, decode tokens/s")
     e.add_argument("--model", default="demo")
     e.add_argument("--prompt-len", type=int, default=2048)
@@ -233,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run decode steps eagerly on CUDA (to compare with the captured graphs)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_tp(bsub) -> None:
     t = bsub.add_parser("tp", help="TTFT and decode tokens/s of a worker group per tensor-parallel size (local Ray)")
     t.add_argument("--model", default="demo")
     t.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -242,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_tp)
+
+
+def _add_bench_route(bsub) -> None:
     r = bsub.add_parser("route", help="route() latency for a long prompt against a large prefix index")
     r.add_argument("--prompt-tokens", type=int, default=32768)
     r.add_argument("--index-keys", type=int, default=1_000_000)
@@ -249,12 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--calls", type=int, default=300)
     r.set_defaults(func=_cmd_bench_route)
-    from router.sim.loadgen import add_arguments
 
-    bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
-    add_arguments(bs)
-    bs.set_defaults(func=_cmd_bench_serve)
 
+def _add_replay(sub) -> None:
     from router.routing.policy import POLICIES
 
     rp = sub.add_parser("replay", help="replay a request trace through the router and simulated worker groups")
@@ -270,7 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_cmd_replay)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,14 @@ start and end inside characters, in invalid byte runs and around skipped tokens.
 
 from __future__ import annotations
 
+import json
+import pickle
 import random
 
 import pytest
 
 from common.model_config import load_tokenizer
+from common.outputs import FinishReason
 from common.sampling import SamplingParams
 from worker.output_processor import IncrementalDetokenizer, OutputProcessor
 from worker.sampler import SampleResult
@@ -102,7 +105,7 @@ class _Finisher:
     """Does what the engine does with a finish reason (the scheduler's part)."""
 
     @staticmethod
-    def finish(seq: Sequence, reason: str) -> None:
+    def finish(seq: Sequence, reason: FinishReason) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
 
@@ -158,3 +161,16 @@ def test_outputs_share_the_prompt_and_snapshot_the_tokens(tokenizer):
     assert outs[0].prompt_token_ids is outs[2].prompt_token_ids == [7, 8, 9]  # not copied per step
     assert [o.token_ids for o in outs] == [[300], [300, 301], [300, 301, 302]]  # earlier ones unchanged
     assert outs[-1].finish_reason == "length"
+
+
+def test_finish_reasons_are_str_enum_members_with_the_wire_values(tokenizer):
+    proc = OutputProcessor(tokenizer, [], 10**6, 16)
+    stopped = run(proc, [40, 41, 42], SamplingParams(max_tokens=10, stop_token_ids=[41]))[-1]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == 41
+    long = run(proc, [40, 41, 42], SamplingParams(max_tokens=2, ignore_eos=True))[-1]
+    assert long.finish_reason is FinishReason.LENGTH
+    # What the gateway compares, serializes and receives over Ray stays the plain strings.
+    assert long.finish_reason == "length" and f"{long.finish_reason}" == "length"
+    assert json.dumps({"finish_reason": long.finish_reason}) == '{"finish_reason": "length"}'
+    assert pickle.loads(pickle.dumps(long.finish_reason)) is FinishReason.LENGTH
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]

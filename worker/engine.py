@@ -23,7 +23,7 @@ from common.checks import is_power_of_two
 from common.events import EventSink
 from common.hashing import HASH_ALGOS, RootKeys, new_secret
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
-from common.outputs import RequestOutput
+from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from worker.attention import get_backend
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -214,7 +214,7 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
@@ -260,8 +260,8 @@ class Engine:
         """Finish one request whose sampling, detokenizing or stop check raised; the rest of the batch carries on."""
         seq.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
         _log.warning("request %s failed in the step: %s", seq.request_id, seq.error, exc_info=exc)
-        self.scheduler.finish(seq, "error")
-        seq.finish_reason = "error"  # also when the failure came after a stop condition had finished it
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        seq.finish_reason = FinishReason.ERROR  # also when the failure came after a stop condition had finished it
         return self.outputs.failed(seq)
 
     def _pin(self, seq: Sequence, now: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from common.outputs import RequestOutput
+from common.outputs import FinishReason, RequestOutput
 
 if TYPE_CHECKING:  # a Sequence holds its IncrementalDetokenizer: import it for annotations only
     from worker.sampler import SampleResult
@@ -91,7 +91,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.block_size = block_size
 
-    def append(self, seq: Sequence, res: SampleResult, now: float) -> str | None:
+    def append(self, seq: Sequence, res: SampleResult, now: float) -> FinishReason | None:
         """Add the sampled token to ``seq`` and update its text; returns why it must finish now, if it must."""
         tok = res.token_id
         seq.token_ids.append(tok)
@@ -104,18 +104,18 @@ class OutputProcessor:
         p = seq.params
         reason = None
         if tok in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", tok
+            reason, seq.stop_reason = FinishReason.STOP, tok
         elif not p.ignore_eos and tok in self.eos_token_ids:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+            reason = FinishReason.LENGTH
         seq.text = text = seq.detok.update(seq.token_ids, self.decode, seq.num_prompt_tokens)
         if p.stop:
             # Only text after what earlier steps searched can hold a new match, give or take a stop's length.
             start = max(0, seq.num_stop_checked_chars - max(map(len, p.stop)) + 1)
             found = min(((i, s) for s in p.stop if (i := text.find(s, start)) >= 0), default=None)
             if found is not None:
-                seq.text, reason, seq.stop_reason = text[: found[0]], "stop", found[1]
+                seq.text, reason, seq.stop_reason = text[: found[0]], FinishReason.STOP, found[1]
             seq.num_stop_checked_chars = stable_len(text)
         return reason
 
@@ -163,7 +163,7 @@ class OutputProcessor:
             new_token_ids=[],
             delta_text="",
             finished=True,
-            finish_reason="error",
+            finish_reason=FinishReason.ERROR,
             num_cached_tokens=seq.num_cached_tokens,
             num_pinned_tokens=seq.num_pinned_blocks * self.block_size,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,

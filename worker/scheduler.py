@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+from common.outputs import FinishReason
 from worker.kv_cache_manager import KVCacheManager
 from worker.sequence import Sequence, SequenceStatus
 
@@ -112,7 +113,7 @@ class Scheduler:
         self.num_computed_tokens += num_tokens
         self._release_inflight(seq, self.kv.register(seq))
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` (running or waiting) and release its blocks."""
         if seq.status is SequenceStatus.FINISHED:
             return

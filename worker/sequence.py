@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from common.outputs import FinishReason
 from common.sampling import SamplingParams
 from worker.block_pool import Block
 from worker.output_processor import IncrementalDetokenizer
@@ -50,7 +51,7 @@ class Sequence:
         self.pin_blocks = 0  # leading full blocks to pin once computed or hit
         self.pin_ttl_s = 0.0
         self.num_pinned_blocks = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []

@@ -21,9 +21,12 @@ with the capacity of all groups together, and an infinite cache, both in file or
 
 from __future__ import annotations
 
+import enum
 import heapq
+import itertools
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,64 +151,18 @@ def replay(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
+    """Run ``trace`` through the router and ``groups`` simulated groups; returns the figures of the run."""
     if groups < 1 or capacity_tokens < block_size or block_size < 1:
         raise ValueError("need groups >= 1 and capacity_tokens >= block_size >= 1")
-    transport = InProcessTransport()
-    clock = [0.0]
-    names = [f"g{i}" for i in range(groups)]
-    router = Router(
-        names, REPLAY_SECRET, block_size, make_policy(policy, seed=seed),
-        prediction_ttl_s=60.0, events=transport.subscribe(), clock=lambda: clock[0],
-    )
-    sims = {n: SimGroup(n, capacity_tokens // block_size, block_size, transport) for n in names}
-    heap: list = []
-    seq = 0
-
-    def push(t: float, kind: str, payload) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, payload))
-        seq += 1
-
-    def start_next(g: SimGroup, now: float) -> None:
-        if g.busy or not g.queue:
-            return
-        r = g.queue.popleft()
-        g.busy = True
-        push(now + g.start_prefill(r) / prefill_tokens_per_s, "prefill_done", (g, r))
-
-    for i, r in enumerate(trace):
-        push(r.arrival_s, "arrive", (i, r))
-    ttfts: list[float] = []
+    sim = _Simulation(groups, capacity_tokens, block_size, policy, prefill_tokens_per_s, decode_s_per_token, seed)
     bar = _progress(len(trace), progress)
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        clock[0] = now
-        if kind == "arrive":
-            i, r = payload
-            router.poll_events()
-            d = router.route_keys(r.keys, r.input_length, f"r{i}")
-            g = sims[d.group]
-            g.queue.append(_Running(r, d.request_id))
-            start_next(g, now)
-            bar.update(1)
-        elif kind == "prefill_done":
-            g, run = payload
-            g.end_prefill(run)
-            router.on_prefill_done(run.rid)
-            ttfts.append(now - run.req.arrival_s)
-            g.busy = False
-            push(now + run.req.output_length * decode_s_per_token, "finish", (g, run))
-            start_next(g, now)
-        else:
-            g, run = payload
-            g.finish(run)
-            router.on_finish(run.rid)
+    sim.run(trace, bar.update)
     bar.close()
 
     total = sum(r.input_length for r in trace)
-    computed = [sims[n].prefill_tokens for n in names]
+    computed = [g.prefill_tokens for g in sim.groups.values()]
     lru, inf = reference_hit_ratios(trace, capacity_tokens * groups, block_size)
-    ttfts.sort()
+    ttfts = sorted(sim.ttfts)
     return {
         "policy": policy,
         "groups": groups,
@@ -218,8 +175,78 @@ def replay(
         "ttft_p99_s": _pct(ttfts, 0.99),
         "pooled_lru_hit_ratio": lru,
         "infinite_hit_ratio": inf,
-        "prefill_tokens_per_group": dict(zip(names, computed)),
+        "prefill_tokens_per_group": dict(zip(sim.groups, computed)),
     }
+
+
+class _Event(enum.Enum):
+    ARRIVE = enum.auto()  # a request reaches the router
+    PREFILL_DONE = enum.auto()  # its group has computed its prompt: the first token is out
+    FINISH = enum.auto()  # its last output token is out
+
+
+class _Simulation:
+    """The discrete-event loop of one replay: the router on a simulated clock, the groups, and a heap of
+    ``(time, order, event, payload)`` (the order number keeps equal times first come, first served)."""
+
+    def __init__(
+        self, groups: int, capacity_tokens: int, block_size: int, policy: str, prefill_tokens_per_s: float,
+        decode_s_per_token: float, seed: int,
+    ) -> None:
+        transport = InProcessTransport()
+        names = [f"g{i}" for i in range(groups)]
+        self.now = 0.0
+        self.router = Router(
+            names, REPLAY_SECRET, block_size, make_policy(policy, seed=seed),
+            prediction_ttl_s=60.0, events=transport.subscribe(), clock=lambda: self.now,
+        )
+        self.groups = {n: SimGroup(n, capacity_tokens // block_size, block_size, transport) for n in names}
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_s_per_token = decode_s_per_token
+        self.ttfts: list[float] = []
+        self._heap: list = []
+        self._order = itertools.count()
+
+    def run(self, trace: list[TraceRequest], on_arrival: Callable[[int], object]) -> None:
+        for i, r in enumerate(trace):
+            self._push(r.arrival_s, _Event.ARRIVE, (i, r))
+        while self._heap:
+            self.now, _, event, payload = heapq.heappop(self._heap)
+            if event is _Event.ARRIVE:
+                self._arrive(*payload)
+                on_arrival(1)
+            elif event is _Event.PREFILL_DONE:
+                self._prefill_done(*payload)
+            else:
+                g, run = payload
+                g.finish(run)
+                self.router.on_finish(run.rid)
+
+    def _push(self, t: float, event: _Event, payload) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), event, payload))
+
+    def _arrive(self, i: int, r: TraceRequest) -> None:
+        self.router.poll_events()
+        d = self.router.route_keys(r.keys, r.input_length, f"r{i}")
+        g = self.groups[d.group]
+        g.queue.append(_Running(r, d.request_id))
+        self._start_next(g)
+
+    def _prefill_done(self, g: SimGroup, run: _Running) -> None:
+        g.end_prefill(run)
+        self.router.on_prefill_done(run.rid)
+        self.ttfts.append(self.now - run.req.arrival_s)
+        g.busy = False
+        self._push(self.now + run.req.output_length * self.decode_s_per_token, _Event.FINISH, (g, run))
+        self._start_next(g)
+
+    def _start_next(self, g: SimGroup) -> None:
+        """Start the group's next queued prefill, if it is idle (one prefill at a time)."""
+        if g.busy or not g.queue:
+            return
+        r = g.queue.popleft()
+        g.busy = True
+        self._push(self.now + g.start_prefill(r) / self.prefill_tokens_per_s, _Event.PREFILL_DONE, (g, r))
 
 
 def _pct(xs: list[float], q: float) -> float:
