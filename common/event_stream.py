@@ -21,7 +21,7 @@ from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 STREAM_PREFIX = "kvgrid:events:"
 _SNAPSHOT_CHUNK = 10_000  # keys per BlockStored entry of a snapshot
-_log = logging.getLogger("kvgrid.events")
+_log = logging.getLogger(__name__)
 
 
 def stream_name(group: str) -> str:

@@ -1,9 +1,11 @@
-"""The ``kvgrid`` command line."""
+"""The ``kvgrid`` command line. What a command answers (tables, results, benchmark figures) goes to stdout;
+diagnostics (warnings, retries, restarts) go through ``logging`` to stderr."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -19,6 +21,9 @@ DEMO_PREFIX = (
     "coastal routes, sells water and snacks, and can recommend guided tours on weekends. "
 )
 DEMO_QUESTIONS = ("How much is an electric bike for two days?", "Do I need to bring my own helmet?")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# kvgrid's own loggers speak from INFO; other libraries' only from WARNING (httpx logs every request at INFO).
+KVGRID_LOGGERS = ("router", "worker", "common", "kvgrid")
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -304,8 +309,16 @@ def _add_replay(sub) -> None:
     rp.set_defaults(func=_cmd_replay)
 
 
+def configure_logging() -> None:
+    """Log records to stderr (once per process: a root logger that has handlers already is left alone)."""
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    for name in KVGRID_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    configure_logging()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

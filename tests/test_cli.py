@@ -55,3 +55,22 @@ def test_demo_config_of_make_run_is_valid():
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "router" / "demo.yaml")
     assert cfg.groups == 2 and len(cfg.tenants) == 2
+
+
+def test_the_cli_logs_kvgrid_diagnostics_from_info_and_other_libraries_from_warning():
+    code = (
+        "import logging, sys; from router import cli; cli.configure_logging(); cli.configure_logging();"
+        "logging.getLogger('router.routing.service').info('group g0 paused');"
+        "logging.getLogger('worker.engine').warning('request r1 failed');"
+        "logging.getLogger('httpx').info('HTTP Request: POST');"
+        "logging.getLogger('httpx').warning('httpx warned');"
+        "print('the result')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "the result\n"  # diagnostics never mix with what a command answers
+    lines = out.stderr.splitlines()
+    assert len(lines) == 3, lines  # configured once, however often it is called
+    assert lines[0].endswith(" INFO router.routing.service: group g0 paused")
+    assert lines[1].endswith(" WARNING worker.engine: request r1 failed")
+    assert lines[2].endswith(" WARNING httpx: httpx warned")

@@ -305,3 +305,15 @@ def test_a_cancelled_route_whose_blocks_an_event_confirmed_keeps_them():
     router.apply_event("g0", BlockStored(keys, None))
     router.cancel_route("r")
     assert router.match(keys) == {"g0": 2}
+
+
+def test_a_reported_failure_pauses_the_group_and_logs_a_warning(caplog):
+    from router.routing.service import RouterService
+
+    svc = RouterService({"g0": None, "g1": None}, b"s")
+    with caplog.at_level("WARNING", logger="router.routing.service"):
+        svc.report_failure("g0", "step timed out")
+        svc.report_failure("g9", "unknown group")  # not this replica's: ignored, nothing logged
+    assert svc.router.paused == {"g0"}
+    assert [r.getMessage() for r in caplog.records] == ["group g0 paused after a failure (step timed out)"]
+    assert caplog.records[0].levelname == "WARNING"

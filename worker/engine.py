@@ -35,7 +35,7 @@ from worker.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_ERROR_CHARS = 500
-_log = logging.getLogger("kvgrid.engine")
+_log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -10,6 +10,7 @@ each group's index comes back from the group's event stream."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ from router.routing.router import RouteDecision, Router
 
 REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
 GROUP_CALL_TIMEOUT_S = 30.0  # a group's leader that does not hand over its events within this is skipped
+
+_log = logging.getLogger(__name__)
 
 
 class RouterService:
@@ -60,12 +63,11 @@ class RouterService:
         try:
             groups = ray.get(ray.get_actor(supervisor).serving_groups.remote(), timeout=GROUP_CALL_TIMEOUT_S / 3)
         except Exception as exc:
-            print(f"kvgrid router: restarted; the supervisor did not list the groups ({type(exc).__name__})",
-                  flush=True)
+            _log.warning("router replica restarted; the supervisor did not list the groups (%s)", type(exc).__name__)
             return
         for group, leader in groups.items():
             self._add(group, leader)
-        print(f"kvgrid router: restarted; serving groups {', '.join(sorted(groups)) or 'none'} again", flush=True)
+        _log.warning("router replica restarted; serving groups %s again", ", ".join(sorted(groups)) or "none")
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -79,7 +81,7 @@ class RouterService:
                 delay = self.poll_interval_s
             except Exception as exc:  # Redis or a group briefly unreachable: keep the index, retry later
                 delay = min(2.0, delay * 2)
-                print(f"kvgrid router: event poll failed ({type(exc).__name__}: {exc}); retrying", flush=True)
+                _log.warning("event poll failed (%s: %s); retrying in %.2f s", type(exc).__name__, exc, delay)
             await asyncio.sleep(delay)
 
     async def poll(self) -> int:
@@ -136,7 +138,7 @@ class RouterService:
         """A caller saw ``group`` fail: route nothing more to it until the supervisor has restarted it."""
         if group in self.router.loads:
             self.router.pause_group(group)
-            print(f"kvgrid router: group {group} paused after a failure ({reason})", flush=True)
+            _log.warning("group %s paused after a failure (%s)", group, reason)
 
     def pause_group(self, group: str, paused: bool = True) -> None:
         """Stop (or resume) routing to ``group``; a group this replica does not know is ignored."""

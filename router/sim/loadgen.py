@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import sys
@@ -34,6 +35,8 @@ import httpx
 from tqdm import tqdm
 
 from router.sim.trace import MOONCAKE_BLOCK, TraceEntry, read_mooncake
+
+_log = logging.getLogger(__name__)
 
 PROMPT_FORMATS = ("tokens", "text", "chat")
 WORKLOADS = ("random", "multi-turn", "trace")
@@ -386,8 +389,7 @@ def run(args: Any) -> int:
         model = models[0]["id"]
     vocab = args.vocab_size or default_vocab(model)
     if vocab is None:
-        print(f"vocabulary of {model!r} unknown: token ids below {FALLBACK_VOCAB} (set --vocab-size)",
-              file=sys.stderr)
+        _log.warning("vocabulary of %r unknown: token ids below %d (set --vocab-size)", model, FALLBACK_VOCAB)
         vocab = FALLBACK_VOCAB
     src = TokenSource(vocab, args.seed)
     output_len = args.output_len or 128
