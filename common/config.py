@@ -26,6 +26,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.checks import is_power_of_two
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -140,7 +142,7 @@ class ServeConfig(_Strict):
     @field_validator("block_size")
     @classmethod
     def _pow2(cls, v: int) -> int:
-        if v & (v - 1):
+        if not is_power_of_two(v):
             raise ValueError("must be a power of two")
         return v
 
