@@ -12,30 +12,38 @@ Ray's per-object overhead.
 The leader ends a subscription when it fails (its requests then fail with ``GroupUnhealthyError``); when the
 subscriber dies, Ray closes the subscription (it is read with backpressure, which is what makes Ray notice a
 dead reader), and the leader aborts that subscriber's requests.
+
+Callers hold a ``GroupClient`` (a group's name and its leader's handle): the one wrapper through which the
+gateway, the supervisor, the admin API and ``WorkerGroup`` call a leader. The errors that cross this boundary are
+in ``common.errors``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
+from ray.actor import ActorHandle
+
+from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, group_error
+from common.events import KVEvent
 from common.outputs import RequestOutput
 from common.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from worker.engine import EngineStats
 
-class RequestAborted(RuntimeError):
-    """The request was aborted on the group (by another caller) before it finished."""
-
-
-class GroupUnhealthyError(RuntimeError):
-    """The group lost a rank (or its leader failed); its requests fail and it must be restarted."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed this one request (sampling, detokenizing or stop checking it raised); the group and
-    every other request keep running."""
+# The actor handles that cross components, named once. A handle's methods are the actor class's: a group's
+# ranks are ``worker.group.RankActor`` (rank 0 is the leader), a router replica is
+# ``router.routing.service.RouterService``, the supervisor is ``router.control.supervisor.Supervisor``.
+RankHandle: TypeAlias = ActorHandle
+RouterHandle: TypeAlias = ActorHandle
+SupervisorHandle: TypeAlias = ActorHandle
 
 
 # Unconsumed subscription messages the leader may run ahead by. It must be bounded: only a bounded stream makes
@@ -45,14 +53,21 @@ SUBSCRIPTION_BACKPRESSURE = 8
 HEARTBEAT_S = 5.0  # an idle subscription still yields this often, so a dead subscriber is noticed when idle too
 
 
-@dataclass
+@dataclass(frozen=True)
 class Submit:
+    """One request for a group's leader (``RankActor.submit`` / ``generate``): the prompt's token ids, how to
+    sample, whose it is, and how much of its prompt to pin for how long (explicit cache entries)."""
+
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
-    request_id: str | None = None  # None: the leader names it
+    request_id: str | None = None  # None: named by whoever sends it (a fresh ``req-...`` id)
     pin_tokens: int = 0
     pin_ttl_s: float = 300.0
+
+    def named(self) -> Submit:
+        """This request with a request id: its own, else a fresh one."""
+        return self if self.request_id is not None else dataclasses.replace(self, request_id=f"req-{uuid.uuid4().hex}")
 
 
 @dataclass(slots=True)
@@ -153,50 +168,14 @@ class Outputs:
         )
 
 
-def group_error(exc: Exception, group: str) -> Exception:
-    """What a Ray error from a leader call means for the caller: the leader's own error (a bad request, a group
-    failure, a failed or aborted request), or, for anything else (the actor died), a group failure."""
-    from ray.exceptions import RayTaskError
-
-    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
-    if isinstance(cause, (GroupUnhealthyError, RequestFailed, RequestAborted, ValueError)):
-        return cause
-    return GroupUnhealthyError(f"worker group {group!r} failed: {type(exc).__name__}")
-
-
-def iter_outputs(leader, req: Submit, group: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
-    """One request's outputs for a blocking caller (tests, the supervisor): its own short stream from the
-    leader, one message per step; the request is aborted if the caller stops reading before its end.
-    ``GroupUnhealthyError`` when the leader sends nothing for ``timeout_s`` (each wait, not the whole request)."""
-    import ray
-    from ray.exceptions import RayError
-
-    req = Submit(req.prompt, req.params, req.tenant, req.request_id or f"req-{uuid.uuid4().hex}", req.pin_tokens,
-                 req.pin_ttl_s)
-    outputs, finished = Outputs(req, req.request_id), False
-    try:
-        gen = leader.generate.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
-        while not finished:  # the leader's stream ends with the request's finish: nothing is read after it
-            ready, _ = ray.wait([gen], timeout=timeout_s)  # a leader that sends nothing fails the wait, too
-            if not ready:
-                raise GroupUnhealthyError(f"worker group {group!r} sent no output for {timeout_s:g} s")
-            ref = next(gen, None)
-            if ref is None:
-                raise GroupUnhealthyError(f"worker group {group!r} ended the stream before the request finished")
-            for d in ray.get(ref):
-                finished = d.finished
-                yield outputs.advance(d)
-    except RayError as exc:
-        raise group_error(exc, group) from exc
-    finally:
-        if not finished:  # also after a timeout; a failed group ignores it
-            leader.abort.remote(req.request_id)
+OnSilence: TypeAlias = Callable[[], Awaitable[None]]
 
 
 class GroupLink:
-    """This event loop's subscription to one group leader: every request it streams shares it."""
+    """This event loop's subscription to one group leader: every request it streams shares it. Made and kept by
+    ``GroupClient.link``."""
 
-    def __init__(self, group: str, leader) -> None:
+    def __init__(self, group: str, leader: RankHandle) -> None:
         self.group, self.leader = group, leader
         self.id = f"sub-{uuid.uuid4().hex}"
         self._streams: dict[str, asyncio.Queue] = {}
@@ -246,13 +225,16 @@ class GroupLink:
         assert self._error is not None
         return type(self._error)(*self._error.args)
 
-    async def stream(self, req: Submit, on_silence=None, silence_s: float = 60.0) -> AsyncIterator[RequestOutput]:
+    async def stream(self, req: Submit, on_silence: OnSilence | None = None,
+                     silence_s: float = 60.0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the group produces them. The request is aborted on the group if this stream
         is closed before its end. ``await on_silence()`` runs after every ``silence_s`` without a delta (it may
         raise to end the stream)."""
         from ray.exceptions import RayError
 
-        rid = req.request_id or f"req-{uuid.uuid4().hex}"
+        req = req.named()
+        rid = req.request_id
+        assert rid is not None
         try:
             await asyncio.shield(self._ready)
         except Exception:
@@ -264,8 +246,7 @@ class GroupLink:
             if self._error is not None:
                 raise self._failed()
             try:
-                await self.leader.submit.remote(self.id, Submit(req.prompt, req.params, req.tenant, rid,
-                                                                req.pin_tokens, req.pin_ttl_s))
+                await self.leader.submit.remote(self.id, req)
             except RayError as exc:
                 finished = True  # refused: there is nothing to abort
                 raise group_error(exc, self.group) from None
@@ -283,7 +264,7 @@ class GroupLink:
                 self.leader.abort.remote(rid)
 
     @staticmethod
-    async def _next(queue: asyncio.Queue, on_silence, silence_s: float):
+    async def _next(queue: asyncio.Queue, on_silence: OnSilence | None, silence_s: float):
         while on_silence is not None and queue.empty():  # no timer (and no task) while deltas keep coming
             try:
                 async with asyncio.timeout(silence_s):
@@ -291,3 +272,140 @@ class GroupLink:
             except TimeoutError:
                 await on_silence()
         return await queue.get()
+
+
+class GroupClient:
+    """The caller's side of one worker group: every call into a group's leader (rank 0) goes through here, from
+    the gateway, the supervisor, the admin API and ``WorkerGroup`` (and through it the benchmarks and tests).
+
+    Requests go in as a ``Submit`` and come back as cumulative ``RequestOutput``s: ``astream`` over this event
+    loop's one subscription to the leader (``GroupLink``, shared by every request of the loop: what a gateway
+    replica does), ``stream`` on a blocking stream of the request's own. Either aborts the request on the group
+    when its reader stops before the end.
+
+    Every call raises the errors of ``common.errors``: ``GroupUnhealthyError`` when the group failed or its
+    leader is gone, the leader's own ``ValueError`` / ``RequestFailed`` / ``RequestAborted``, and
+    ``TimeoutError`` when a unary call is not answered within its ``timeout_s``."""
+
+    CALL_TIMEOUT_S = 30.0  # a unary call into the leader that takes longer means the group is stuck
+
+    def __init__(self, group: str, leader: RankHandle) -> None:
+        self.group, self.leader = group, leader
+        self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, GroupLink] = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return f"GroupClient({self.group!r})"
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def link(self) -> GroupLink:
+        """This event loop's subscription to the leader: made on first use, and anew once the old one closed
+        (its group failed)."""
+        loop = asyncio.get_running_loop()
+        link = self._links.get(loop)
+        if link is None or link.closed:
+            link = self._links[loop] = GroupLink(self.group, self.leader)
+        return link
+
+    async def astream(self, req: Submit, on_silence: OnSilence | None = None,
+                      silence_s: float = 60.0) -> AsyncIterator[RequestOutput]:
+        """One request's outputs over this loop's subscription (see ``GroupLink.stream``); closing it early
+        aborts the request now."""
+        stream = self.link().stream(req, on_silence, silence_s)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def stream(self, req: Submit, timeout_s: float | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs for a blocking caller: a short stream of its own from the leader, one message
+        per step; the request is aborted if the caller stops reading before its end. ``GroupUnhealthyError`` when
+        the leader sends nothing for ``timeout_s`` (each wait, not the whole request)."""
+        import ray
+        from ray.exceptions import RayError
+
+        req = req.named()
+        outputs, finished = Outputs(req, req.request_id), False
+        try:
+            gen = self.leader.generate.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
+            while not finished:  # the leader's stream ends with the request's finish: nothing is read after it
+                ready, _ = ray.wait([gen], timeout=timeout_s)  # a leader that sends nothing fails the wait, too
+                if not ready:
+                    raise GroupUnhealthyError(f"worker group {self.group!r} sent no output for {timeout_s:g} s")
+                ref = next(gen, None)
+                if ref is None:
+                    raise GroupUnhealthyError(f"worker group {self.group!r} ended the stream before the request "
+                                              "finished")
+                for d in ray.get(ref):
+                    finished = d.finished
+                    yield outputs.advance(d)
+        except RayError as exc:
+            raise group_error(exc, self.group) from exc
+        finally:
+            if not finished:  # also after a timeout; a failed group ignores it
+                self.leader.abort.remote(req.request_id)
+
+    def run(self, req: Submit, timeout_s: float | None = None) -> RequestOutput:
+        """One request run to its end (blocking); its last output."""
+        out = None
+        for out in self.stream(req, timeout_s):
+            pass
+        assert out is not None
+        return out
+
+    # -- unary calls -------------------------------------------------------------------------------------------
+
+    def _get(self, ref, timeout_s: float):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:  # a TimeoutError: not answering is not (yet) a failure
+            raise
+        except RayError as exc:
+            raise group_error(exc, self.group) from exc
+
+    async def _aget(self, ref, timeout_s: float):
+        from ray.exceptions import RayError
+
+        try:
+            return await asyncio.wait_for(ref, timeout_s)
+        except RayError as exc:
+            raise group_error(exc, self.group) from exc
+
+    def abort(self, request_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Stop a request; its reader gets ``RequestAborted``. False when the group does not know it."""
+        return self._get(self.leader.abort.remote(request_id), timeout_s)
+
+    def stats(self, timeout_s: float = CALL_TIMEOUT_S) -> EngineStats:
+        """The leader's engine counters (load, blocks, prefix-cache hits)."""
+        return self._get(self.leader.stats.remote(), timeout_s)
+
+    async def astats(self, timeout_s: float = CALL_TIMEOUT_S) -> EngineStats:
+        return await self._aget(self.leader.stats.remote(), timeout_s)
+
+    def read_events(self, offset: int, timeout_s: float = CALL_TIMEOUT_S) -> tuple[list[KVEvent], int]:
+        """KV events from ``offset`` on and the next offset (see ``RankActor.read_events``)."""
+        return self._get(self.leader.read_events.remote(offset), timeout_s)
+
+    def pinned_entries(self, timeout_s: float = CALL_TIMEOUT_S) -> list[tuple[str, list[int], float]]:
+        """The explicit cache entries pinned in the group: (tenant, prompt tokens, seconds left)."""
+        return self._get(self.leader.pinned_entries.remote(), timeout_s)
+
+    def health(self, timeout_s: float = CALL_TIMEOUT_S) -> str | None:
+        """None when the leader reports no failure, else its reason (a step stuck for longer than its
+        ``step_timeout_s`` fails the group)."""
+        return self._get(self.leader.health.remote(), timeout_s)
+
+    async def ahealth(self, timeout_s: float = CALL_TIMEOUT_S) -> str | None:
+        return await self._aget(self.leader.health.remote(), timeout_s)
+
+    def mark_unhealthy(self, reason: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Fail the group's requests (a rank died): it refuses requests until it is restarted."""
+        self._get(self.leader.mark_unhealthy.remote(reason), timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell the followers to stop following (they return from ``follow``)."""
+        self._get(self.leader.shutdown.remote(), timeout_s)

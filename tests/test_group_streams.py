@@ -61,7 +61,7 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
 
     async def together():
         runs = await asyncio.gather(*(collect(p, sp) for p, sp in zip(prompts, params)))
-        return runs, group._links[asyncio.get_running_loop()]
+        return runs, group.client.link()  # this loop's one subscription, which every request used
 
     runs, link = asyncio.run(together())
     for outs, ref in zip(runs, one_by_one):
@@ -84,7 +84,8 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
 
 def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_subscribes_anew(ray_local, demo_path):
     from router.gateway.app import _failure, _GroupFailed
-    from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
+    from common.errors import GroupUnhealthyError
+    from worker.group import GroupConfig, WorkerGroup
 
     g = WorkerGroup(GroupConfig("g-die", EngineConfig(model=str(demo_path), device="cpu", kv_cache_bytes=2**25)))
     try:
@@ -99,7 +100,7 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
             seen = set()
             while len(seen) < 6:
                 seen.add(await started.get())
-            old = g._links[asyncio.get_running_loop()]
+            old = g.client.link()
             ray_local.kill(g.leader)
             return await asyncio.gather(*tasks, return_exceptions=True), old
 
@@ -110,7 +111,7 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
 
         async def again():
             outs = [o async for o in g.astream([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))]
-            return outs[-1], g._links[asyncio.get_running_loop()]
+            return outs[-1], g.client.link()
 
         last, link = asyncio.run(again())
         assert last.finished and link is not old and link.leader == g.leader
@@ -119,16 +120,16 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
 
 
 def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local, group):
-    from common.protocol import GroupLink, Submit
+    from common.protocol import GroupClient, Submit
 
     @ray_local.remote(num_cpus=0)
     class Client:
         async def start(self, leader, n: int) -> int:
-            self.link = GroupLink("g-streams", leader)
+            self.client = GroupClient("g-streams", leader)
             started = asyncio.Queue()
 
             async def one(i):
-                async for _ in self.link.stream(Submit([7, 8, i + 1], LONG)):
+                async for _ in self.client.astream(Submit([7, 8, i + 1], LONG)):
                     started.put_nowait(i)
 
             self.tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
@@ -145,7 +146,7 @@ def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local,
 
 
 def test_closing_a_stream_or_an_abort_by_another_caller_ends_the_request(group):
-    from worker.group import RequestAborted
+    from common.errors import RequestAborted
 
     async def closed_early():
         stream = group.astream([9, 9, 9], LONG)
@@ -187,7 +188,8 @@ def test_steps_run_on_one_thread_with_cpus_per_rank_threads(ray_local, group):
 def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
     import threading
 
-    from common.protocol import GroupUnhealthyError, Submit, iter_outputs
+    from common.errors import GroupUnhealthyError
+    from common.protocol import GroupClient, Submit
 
     @ray_local.remote(num_cpus=0)
     class SilentLeader:
@@ -210,7 +212,7 @@ def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
 
     def read() -> None:
         try:
-            list(iter_outputs(leader, Submit([1, 2, 3], request_id="silent"), "g-silent", timeout_s=0.5))
+            list(GroupClient("g-silent", leader).stream(Submit([1, 2, 3], request_id="silent"), timeout_s=0.5))
         except Exception as exc:
             result.append(exc)
 
@@ -226,3 +228,32 @@ def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
     while ray_local.get(leader.aborts.remote()) != ["silent"]:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
+
+
+def test_the_clients_unary_calls_time_out_and_a_dead_leader_is_a_group_failure(ray_local):
+    from common.errors import GroupUnhealthyError
+    from common.protocol import GroupClient
+
+    @ray_local.remote(num_cpus=0)
+    class Leader:
+        async def health(self, hang: bool = False):
+            if hang:
+                await asyncio.Event().wait()
+            return None
+
+        def stats(self):
+            raise ValueError("not a valid question")
+
+    client = GroupClient("g-calls", Leader.remote())
+    assert client.health() is None
+    with pytest.raises(ValueError, match="not a valid question"):  # the leader's own error, by its class
+        client.stats()
+    with pytest.raises(TimeoutError):
+        client._get(client.leader.health.remote(True), 0.3)
+    with pytest.raises(TimeoutError):
+        asyncio.run(client._aget(client.leader.health.remote(True), 0.3))
+    ray_local.kill(client.leader)
+    with pytest.raises(GroupUnhealthyError, match="'g-calls' failed: (RayActorError|ActorDiedError)"):
+        client.health(timeout_s=20)
+    with pytest.raises(GroupUnhealthyError, match="'g-calls' failed"):
+        asyncio.run(client.ahealth(timeout_s=20))

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from common.protocol import Delta, Outputs, RequestAborted, RequestFailed, Submit
+from common.errors import RequestAborted, RequestFailed
+from common.protocol import Delta, Outputs, Submit
 
 
 def delta(i: int, finished: bool = False, logprobs: bool = True) -> Delta:
@@ -53,3 +54,29 @@ def test_a_long_request_costs_linear_time():
     took = time.process_time() - started
     assert out.token_ids == list(range(n)) and len(out.text) > n
     assert took < 0.5, f"{took:.2f} s of CPU for {n} deltas"
+
+
+def test_a_submit_without_an_id_is_named_once_and_one_with_an_id_keeps_it():
+    anonymous = Submit([1, 2], tenant="acme", pin_tokens=2)
+    named = anonymous.named()
+    assert named.request_id.startswith("req-") and named.named() is named
+    assert (named.prompt, named.tenant, named.pin_tokens) == ([1, 2], "acme", 2) and anonymous.request_id is None
+    assert Submit([1], request_id="mine").named().request_id == "mine"
+    assert anonymous.named().request_id != named.request_id
+
+
+def test_errors_from_a_leader_are_matched_by_class():
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from common.errors import GroupUnhealthyError, group_error, remote_cause
+
+    for cause in (ValueError("bad prompt"), RequestFailed("sampler"), RequestAborted("r"),
+                  GroupUnhealthyError("rank 1 died")):
+        raised = RayTaskError("submit", "traceback", cause).as_instanceof_cause()
+        assert remote_cause(raised) is cause and group_error(raised, "g0") is cause
+    other = RayTaskError("submit", "traceback", KeyError("x")).as_instanceof_cause()
+    failed = group_error(other, "g0")
+    assert isinstance(failed, GroupUnhealthyError) and "'g0' failed" in str(failed)
+    dead = group_error(RayActorError(), "g1")
+    assert isinstance(dead, GroupUnhealthyError) and str(dead) == "worker group 'g1' failed: RayActorError"
+    assert remote_cause(RayActorError()) is None

@@ -3,7 +3,7 @@
 Rank 0 (the leader) owns the scheduler, the block pool and the key map and runs the engine; each step it
 broadcasts the step's plan and every rank computes its shard of the model (``torch.distributed``: NCCL on CUDA,
 gloo on CPU). The router talks to the group through ``WorkerGroup``: stream a request's outputs, abort it,
-read the group's load and drain its KV events. If any rank dies the group turns unhealthy, fails its in-flight
+read the group's load and drain its KV events (each through its ``GroupClient``, ``common/protocol.py``). If any rank dies the group turns unhealthy, fails its in-flight
 requests with ``GroupUnhealthyError``, and ``restart()`` brings it back as a whole.
 """
 
@@ -16,14 +16,13 @@ import re
 import socket
 import time
 import uuid
-import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 from ray.util.placement_group import (
     get_placement_group,
     placement_group,
@@ -32,19 +31,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed  # noqa: F401  (re-exported)
 from common.events import AllCleared, BlockStored, EventLog, KVEvent
 from common.outputs import RequestOutput
-from common.protocol import (
-    HEARTBEAT_S,
-    Delta,
-    GroupLink,
-    GroupUnhealthyError,
-    RequestAborted,  # noqa: F401  (callers import the group's errors from here)
-    RequestFailed,  # noqa: F401
-    Submit,
-    group_error,
-    iter_outputs,
-)
+from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
 
@@ -176,7 +166,7 @@ class RankActor:
         return await self._submit(sub, req)
 
     async def generate(self, req: Submit) -> AsyncIterator[list[Delta]]:
-        """One request's deltas on a stream of its own (for blocking callers, see ``iter_outputs``)."""
+        """One request's deltas on a stream of its own (for blocking callers, see ``GroupClient.stream``)."""
         key = f"req-stream-{uuid.uuid4().hex}"
         sub = self._subs[key] = _Subscriber()
         try:
@@ -387,15 +377,15 @@ class RankActor:
 class WorkerGroup:
     """Driver-side handle of one group (what the router holds)."""
 
-    CALL_TIMEOUT_S = 30.0  # a call into the leader that takes longer means the group is stuck
+    CALL_TIMEOUT_S = GroupClient.CALL_TIMEOUT_S
 
     def __init__(self, config: GroupConfig, start: bool = True) -> None:
         self.config = config
-        self.ranks: list = []
+        self.ranks: list[RankHandle] = []
         self.rank_info: list[dict] = []
         self._pg = None
-        self._follows: list = []
-        self._links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its GroupLink
+        self._follows: list[ray.ObjectRef] = []
+        self._client: GroupClient | None = None  # of the current leader (a restart makes a new one)
         if start:
             self.start()
 
@@ -445,8 +435,15 @@ class WorkerGroup:
         return self.config.name
 
     @property
-    def leader(self):
+    def leader(self) -> RankHandle:
         return self.ranks[0]
+
+    @property
+    def client(self) -> GroupClient:
+        """The client of this group's current leader (every call into the group goes through it)."""
+        if self._client is None or self._client.leader != self.leader:
+            self._client = GroupClient(self.name, self.leader)
+        return self._client
 
     def start(self) -> None:
         """Reserve the group's placement group and start its ranks; on any failure nothing stays reserved."""
@@ -538,15 +535,19 @@ class WorkerGroup:
             self._tell_leader(reason)
             return reason
         try:
-            return ray.get(self.leader.health.remote(), timeout=30)
-        except RayError as exc:  # dead, or too stuck to answer (GetTimeoutError)
-            return f"rank 0 is not answering: {type(exc).__name__}"
+            return self.client.health(timeout_s=30)
+        except (GroupUnhealthyError, TimeoutError) as exc:  # dead, or too stuck to answer
+            return f"rank 0 is not answering: {type(exc.__cause__ or exc).__name__}"
 
     def _tell_leader(self, reason: str) -> None:
         try:
-            ray.get(self.leader.mark_unhealthy.remote(reason), timeout=30)
-        except RayError:
+            self.client.mark_unhealthy(reason, timeout_s=30)
+        except (GroupUnhealthyError, TimeoutError):
             pass
+
+    def rank_infos(self, timeout_s: float = 10.0) -> list[dict]:
+        """Where each rank runs (``RankActor.info``), asked of all ranks at once."""
+        return ray.get([r.info.remote() for r in self.ranks], timeout=timeout_s)
 
     def stream(
         self,
@@ -558,10 +559,9 @@ class WorkerGroup:
         pin_ttl_s: float = 300.0,
     ) -> Iterator[RequestOutput]:
         """Outputs of one request as the group produces them (blocking iterator)."""
-        req = Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
-        return iter_outputs(self.leader, req, self.name)
+        return self.client.stream(_submit(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s))
 
-    async def astream(
+    def astream(
         self,
         prompt: list[int],
         params: SamplingParams | None = None,
@@ -572,45 +572,33 @@ class WorkerGroup:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the group produces them, over this event loop's one subscription to the
         leader (what a gateway replica does)."""
-        loop = asyncio.get_running_loop()
-        link = self._links.get(loop)
-        if link is None or link.closed or link.leader != self.leader:  # first use, failed, or a restarted group
-            link = self._links[loop] = GroupLink(self.name, self.leader)
-        req = Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
-        async for out in link.stream(req):
-            yield out
-
-    def _unwrap(self, get):
-        try:
-            return get()
-        except (RayActorError, RayTaskError) as exc:
-            raise group_error(exc, self.name) from exc
+        return self.client.astream(_submit(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s))
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, tenant: str = "default") -> RequestOutput:
         """Run one request to completion."""
-        out = None
-        for out in self.stream(prompt, params, tenant):
-            pass
-        assert out is not None
-        return out
+        return self.client.run(_submit(prompt, params, tenant))
 
     def abort(self, request_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
-        return self._unwrap(lambda: ray.get(self.leader.abort.remote(request_id), timeout=timeout_s))
+        return self.client.abort(request_id, timeout_s)
 
     def stats(self, timeout_s: float = CALL_TIMEOUT_S) -> EngineStats:
-        """The leader's engine counters; ``GetTimeoutError`` when it does not answer within ``timeout_s``."""
-        return self._unwrap(lambda: ray.get(self.leader.stats.remote(), timeout=timeout_s))
+        """The leader's engine counters; ``TimeoutError`` when it does not answer within ``timeout_s``."""
+        return self.client.stats(timeout_s)
 
     def read_events(self, offset: int, timeout_s: float = CALL_TIMEOUT_S) -> tuple[list[KVEvent], int]:
         """KV events from ``offset`` on and the next offset (see ``RankActor.read_events``)."""
-        return self._unwrap(lambda: ray.get(self.leader.read_events.remote(offset), timeout=timeout_s))
+        return self.client.read_events(offset, timeout_s)
+
+    def pinned_entries(self, timeout_s: float = CALL_TIMEOUT_S) -> list[tuple[str, list[int], float]]:
+        """The explicit cache entries pinned in this group (see ``RankActor.pinned_entries``)."""
+        return self.client.pinned_entries(timeout_s)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every rank and free the placement group (``graceful``: first let the followers return, for
         at most 10 s; pointless when the group is known to hang)."""
         if graceful and self.ranks:
             try:
-                ray.get(self.leader.shutdown.remote(), timeout=10)
+                self.client.shutdown(timeout_s=10)
             except Exception:  # the group may already be broken; killing below is what matters
                 pass
         for a in self.ranks:
@@ -623,12 +611,17 @@ class WorkerGroup:
                 remove_placement_group(self._pg)
             except Exception as exc:  # the GCS did not answer: remove_all() at exit still finds it by name
                 print(f"kvgrid: could not remove placement group of {self.name}: {exc}", flush=True)
-        self.ranks, self._follows, self._pg = [], [], None
+        self.ranks, self._follows, self._pg, self._client = [], [], None, None
 
     def restart(self) -> None:
         """Replace the whole group (all ranks) with fresh actors; its cache starts empty."""
         self.shutdown()
         self.start()
+
+
+def _submit(prompt: list[int], params: SamplingParams | None, tenant: str, request_id: str | None = None,
+            pin_tokens: int = 0, pin_ttl_s: float = 300.0) -> Submit:
+    return Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
 
 
 def pg_name(group: str) -> str:

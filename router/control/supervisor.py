@@ -24,11 +24,12 @@ from collections.abc import Sequence
 import ray
 from ray.util.placement_group import placement_group_table
 
+from common.errors import GroupUnhealthyError
 from common.event_stream import stream_client
-from common.protocol import Submit, iter_outputs
+from common.protocol import GroupClient, RankHandle, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.routing.service import restarted
-from worker.group import GroupConfig, GroupUnhealthyError, WorkerGroup
+from worker.group import GroupConfig, WorkerGroup
 
 STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"
 ROUTER_TIMEOUT_S = 30.0
@@ -42,7 +43,7 @@ class Supervisor:
     def __init__(
         self,
         template: GroupConfig,
-        routers: list,
+        routers: Sequence[RouterHandle],
         redis_url: str | None = None,
         health_interval_s: float = 1.0,
         drain_timeout_s: float = 120.0,
@@ -204,8 +205,7 @@ class Supervisor:
         """Recompute and pin the draining group's explicit cache entries on the groups the router picks now
         (each entry once: ``moved`` remembers them). False when the group did not answer by ``deadline``."""
         try:
-            entries = ray.get(group.leader.pinned_entries.remote(),
-                              timeout=max(0.1, min(60.0, deadline - time.monotonic())))
+            entries = group.pinned_entries(timeout_s=max(0.1, min(60.0, deadline - time.monotonic())))
         except Exception:
             return False
         for tenant, tokens, ttl_s in sorted(entries, key=lambda e: -len(e[1])):  # longest first: covers the rest
@@ -216,8 +216,7 @@ class Supervisor:
                 try:
                     params = SamplingParams(max_tokens=1, temperature=0.0)
                     req = Submit(tokens, params, tenant, decision.request_id, len(tokens), ttl_s)
-                    for _ in iter_outputs(decision.leader, req, decision.group, RECOMPUTE_TIMEOUT_S):
-                        pass
+                    GroupClient(decision.group, decision.leader).run(req, RECOMPUTE_TIMEOUT_S)
                 finally:
                     self.router.on_finish.remote(decision.request_id)
                 moved.add((tenant, tuple(tokens)))
@@ -241,7 +240,7 @@ class Supervisor:
         finally:
             client.close()
 
-    def _tell_routers(self, method: str, *args, routers: Sequence | None = None,
+    def _tell_routers(self, method: str, *args, routers: Sequence[RouterHandle] | None = None,
                       timeout_s: float = ROUTER_TIMEOUT_S) -> None:
         """Call ``method`` on every router replica (or those in ``routers``); a replica that fails or does not
         answer is logged, not fatal (the health check catches it up once it answers again)."""
@@ -355,7 +354,7 @@ class Supervisor:
                            "restarts": self.restarts.get(name, 0), "router": routed.get(name)}
             if group is not None and group.ranks:
                 try:
-                    entry["ranks"] = ray.get([r.info.remote() for r in group.ranks], timeout=10)
+                    entry["ranks"] = group.rank_infos(timeout_s=10)
                     s = group.stats(timeout_s=10)
                     entry["stats"] = {
                         "running": s.running, "waiting": s.waiting, "blocks_pinned": s.blocks_pinned,
@@ -367,7 +366,7 @@ class Supervisor:
             out.append(entry)
         return out
 
-    def serving_groups(self) -> dict:
+    def serving_groups(self) -> dict[str, RankHandle]:
         """The serving groups and their leaders (what a restarted router replica asks for)."""
         with self._mu:
             return {g: self.groups[g].leader for g, s in self.state.items() if s == SERVING}
