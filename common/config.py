@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.checks import is_power_of_two
+from common.errors import validation_message
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -190,8 +191,4 @@ def load_config(path: str | Path) -> ServeConfig:
     try:
         return ServeConfig.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        msg = first["msg"].removeprefix("Value error, ")
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ConfigError(f"{path}: {where}: {msg}{more}") from exc
+        raise ConfigError(f"{path}: {validation_message(exc, 'config', plain=True, count=True)}") from exc

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from worker.models.demo_model import IM_END_TOKEN, IM_START_TOKEN
+from common.errors import validation_message
 from common.model_config import load_tokenizer
 from router.gateway.protocol import CachedContentPatch, CachedContentRequest, ChatRequest, CompletionRequest, MessagesRequest
 from router.gateway.chat import ChatTemplateError, encode_chat
@@ -120,8 +121,7 @@ def refusal(model, body) -> str:
     raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
     with pytest.raises(ValidationError) as info:
         model.model_validate_json(raw)
-    first = info.value.errors()[0]
-    return f"{'.'.join(str(p) for p in first['loc']) or 'body'}: {first['msg']}"
+    return validation_message(info.value, "body")
 
 
 @pytest.mark.parametrize(("model", "body", "where"), [
@@ -205,3 +205,20 @@ def test_a_template_that_cuts_contents_up_is_refused(tok):
     cutting = with_template(tok, tok.chat_template.replace("message['content'] -}}", "message['content'][:12] -}}"))
     with pytest.raises(ChatTemplateError, match="rewrites message contents"):
         encode_chat(cutting, [{"role": "user", "content": FORGED}])
+
+
+def test_a_requested_ttl_is_parsed_once_and_bounded_naming_its_field():
+    from router.gateway.protocol import BodyError, ttl_seconds
+
+    assert ttl_seconds("5m", 300.0, 3600.0, "cache_control.ttl") == 300.0
+    assert ttl_seconds("1.5s", 300.0, 3600.0, "ttl") == 1.5
+    assert ttl_seconds(None, 120.0, 3600.0, "ttl") == 120.0  # none given: the tenant's default
+    for value, message in (("2h", "cache_control.ttl must be between 1s and 3600s"),
+                           ("500ms", "cache_control.ttl must be between 1s and 3600s"),
+                           ("soon", "cache_control.ttl: 'soon' is not a duration (use e.g. 30s, 5m, 1h)"),
+                           ("0s", "cache_control.ttl: a duration must be positive")):
+        with pytest.raises(BodyError) as info:
+            ttl_seconds(value, 300.0, 3600.0, "cache_control.ttl")
+        assert (info.value.status, info.value.message) == (400, message)
+    with pytest.raises(BodyError, match="^ttl must be between 1s and 604800s$"):
+        ttl_seconds(None, 700000.0, 7 * 24 * 3600.0, "ttl")  # a default out of bounds is refused too

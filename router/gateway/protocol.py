@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from common.config import parse_duration
+from common.errors import validation_message
 from common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # Each text field alone; the gateway's 4 MiB body limit bounds the whole request.
@@ -260,5 +262,17 @@ async def parse_body(request, model: type[BaseModel], max_bytes: int = MAX_BODY_
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise BodyError(400, f"{'.'.join(str(p) for p in first['loc']) or 'body'}: {first['msg']}") from None
+        raise BodyError(400, validation_message(exc, "body")) from None
+
+
+def ttl_seconds(value: str | None, default: float, longest: float, field: str) -> float:
+    """The seconds of a TTL a request gives in ``field`` (``"300s"``, ``"5m"``: ``parse_duration``), or
+    ``default`` when it gives none; a ``BodyError`` (400, naming the field) when it is no duration or outside
+    1 s .. ``longest``."""
+    try:
+        seconds = parse_duration(value) if value else default
+    except ValueError as exc:
+        raise BodyError(400, f"{field}: {exc}") from None
+    if not 1.0 <= seconds <= longest:
+        raise BodyError(400, f"{field} must be between 1s and {longest:.0f}s")
+    return seconds
