@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install run test bench
+.PHONY: install run test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The quick loop: every test but the slow ones (Ray, kvgrid serve, anything over a few seconds). CI runs `make test`.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 bench: install
 	$(VENV)/bin/kvgrid bench engine

@@ -184,6 +184,65 @@ def serving(tmp_path_factory, body: str, ready: list[tuple[str, str]],
         redis_server.stop()
 
 
+# The server the modules that change no server-wide state share (tests/conftest.py's ``shared_server``): the demo
+# model on 2 CPU groups with 1 GiB of KV each (a demo-model block is 64 KiB, so 16384 blocks a group: no test
+# evicts another's probes), the two usual tenants and initech, explicit like globex. Every test on it uses its own
+# prompts, cached contents and pins (random or test-specific text), so tests neither see nor depend on each other.
+SHARED_INITECH_KEY = "sk-initech-test-01"
+SHARED_BODY = "kv_cache_bytes: 1073741824\n" + TWO_TENANTS + f"""  - name: initech
+    api_keys: [{SHARED_INITECH_KEY}]
+    cache: {{mode: explicit, default_ttl: 5m}}
+"""
+SHARED_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", SHARED_INITECH_KEY)]
+
+
+class SharedServer:
+    """One lazily started server (``body``, ``ready``) with its own Redis, handed to many tests; ``stop`` ends it
+    (a later ``get`` starts a fresh one). ``private`` starts another with the same config, for a test that needs
+    one to itself."""
+
+    def __init__(self, tmp_path_factory, body: str, ready: list[tuple[str, str]]) -> None:
+        self.tmp_path_factory, self.body, self.ready = tmp_path_factory, body, ready
+        self._running: tuple[Server, RedisServer] | None = None
+        self.starts = 0
+
+    def _start(self) -> tuple[Server, RedisServer]:
+        redis_server = RedisServer(self.tmp_path_factory.mktemp("redis"))
+        port = free_port()
+        srv = Server(write_config(self.tmp_path_factory.mktemp("serve"), port, self.body), redis_server.url, port,
+                     self.ready)
+        try:
+            srv.start()
+        except BaseException:
+            srv.stop()
+            redis_server.stop()
+            raise
+        self.starts += 1
+        return srv, redis_server
+
+    def get(self) -> Server:
+        if self._running is None or self._running[0].proc is None or self._running[0].proc.poll() is not None:
+            self.stop()
+            self._running = self._start()
+        return self._running[0]
+
+    @contextmanager
+    def private(self) -> Iterator[Server]:
+        srv, redis_server = self._start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+            redis_server.stop()
+
+    def stop(self) -> None:
+        if self._running is not None:
+            srv, redis_server = self._running
+            self._running = None
+            srv.stop()
+            redis_server.stop()
+
+
 def oa(server: Server, tenant: str = "acme", key: str = ACME_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base}/{tenant}/v1", api_key=key, max_retries=0, timeout=120)
 

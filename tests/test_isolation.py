@@ -35,7 +35,7 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, TWO_TENANTS, Server, an, chat, oa, serving
+from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, Server, an, chat, oa
 
 from common.hashing import tenant_root_key
 
@@ -100,19 +100,17 @@ def test_ks_2samp_matches_known_values():
 # -- the server -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture()
+def server(shared_server):
+    # The server test_serve and test_loadgen share too (harness.SHARED_BODY): acme, globex and initech (explicit),
     # 1 GiB per group: a demo-model block (4 layers x K,V x 2 KV heads x 64 x 16 tokens, fp32) is 64 KiB, so each
-    # group holds 16384 blocks: the timing test's ~13k blocks never evict acme's probes.
-    body = "kv_cache_bytes: 1073741824\n" + TWO_TENANTS + """  - name: initech
-    api_keys: [%s]
-    cache: {mode: explicit, default_ttl: 5m}
-""" % INITECH_KEY
-    with serving(tmp_path_factory, body, list(KEYS.items())) as srv:
-        yield srv
+    # group holds 16384 blocks: the timing test's ~13k blocks never evict acme's probes. Every test here sends its
+    # own prompts (_unique, random tokens), so what the other modules sent cannot make a hit or a miss.
+    assert shared_server.ready == list(KEYS.items())
+    return shared_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def redis_url(server):
     return server.redis_url
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from harness import ACME_KEY, TWO_TENANTS, free_port, serving
+from harness import ACME_KEY, free_port
 
 from router import cli
 from router.sim import loadgen, replay
@@ -187,10 +187,9 @@ def test_an_unreachable_server_exits_2_naming_base_url(capsys):
 # -- against a real kvgrid serve ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serving(tmp_path_factory, "kv_cache_bytes: 33554432\n" + TWO_TENANTS, [("acme", ACME_KEY)]) as srv:
-        yield srv
+@pytest.fixture()
+def server(shared_server):
+    return shared_server  # the server test_serve and test_isolation share too (harness.SHARED_BODY)
 
 
 def bench(server, capsys, *flags: str) -> dict:

@@ -9,19 +9,19 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, TWO_TENANTS, an, chat, oa, serving
+from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, an, chat, oa
 
 from router.gateway.store import read_usage
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    body = "kv_cache_bytes: 33554432\n" + TWO_TENANTS
-    with serving(tmp_path_factory, body, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)]) as srv:
-        yield srv
+@pytest.fixture()
+def server(shared_server):
+    # The server test_isolation and test_loadgen share too (harness.SHARED_BODY: acme, globex, initech); the restart
+    # test (marked restarts_server) runs after all of them and gets it to itself.
+    return shared_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def redis_url(server):
     return server.redis_url
 
@@ -179,6 +179,7 @@ def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
         complete(seed, ignore_eos="yes")
 
 
+@pytest.mark.restarts_server
 def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, redis_url):
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
