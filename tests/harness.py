@@ -204,6 +204,7 @@ class SharedServer:
     def __init__(self, tmp_path_factory, body: str, ready: list[tuple[str, str]]) -> None:
         self.tmp_path_factory, self.body, self.ready = tmp_path_factory, body, ready
         self._running: tuple[Server, RedisServer] | None = None
+        self.failed: str | None = None  # why the last start failed: the tests after it fail at once, not each in 240 s
         self.starts = 0
 
     def _start(self) -> tuple[Server, RedisServer]:
@@ -223,7 +224,13 @@ class SharedServer:
     def get(self) -> Server:
         if self._running is None or self._running[0].proc is None or self._running[0].proc.poll() is not None:
             self.stop()
-            self._running = self._start()
+            if self.failed is not None:
+                raise AssertionError(f"the shared server failed to start for an earlier test:\n{self.failed}")
+            try:
+                self._running = self._start()
+            except Exception as e:
+                self.failed = str(e)[-3000:]
+                raise
         return self._running[0]
 
     @contextmanager
