@@ -108,7 +108,7 @@ class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     replicas: int = Field(1, ge=1)  # gateway replicas (Serve spreads them over the frontend nodes)
-    # Requests one gateway (or admin) replica works on at once; Ray Serve queues the rest (its own default is 5).
+    # Connections and requests one gateway replica works on at once; past it the replica answers 503 at once.
     max_ongoing_requests: int = Field(1024, ge=1)
     docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
 

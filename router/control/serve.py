@@ -73,8 +73,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
 
     from worker.models.demo_model import resolve_model
     from common.hashing import new_secret
-    from router.gateway.admin import Admin
-    from router.gateway.app import Gateway
+    from router.gateway.server import GatewayReplica, check_port_free
     from router.routing.service import RouterService
     from router.gateway.store import KeyRing
     from router.control.supervisor import Supervisor
@@ -120,21 +119,18 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
             name=SUPERVISOR_NAME, max_concurrency=16, max_restarts=-1, max_task_retries=3, **front,
         ).remote(template, routers, url, max_groups=cfg.group_limit)
         ray.get(supervisor.scale.remote(cfg.groups))
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-        # One application serves every tenant under /{tenant}: Serve's unauthenticated /-/routes lists route
-        # prefixes, so one per tenant would list the tenants. Replicas get only key hashes, never the keys.
+        # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
+        # them, its proxy stays off. Replicas get only key hashes, never the keys.
+        check_port_free(cfg.http.host, cfg.http.port)
+        serve.start(proxy_location="Disabled")
         keys = KeyRing.from_config(cfg)
         public = cfg.model_copy(update={"admin_keys": [], "tenants": [
             t.model_copy(update={"api_keys": []}) for t in cfg.tenants]})
-        ongoing = cfg.http.max_ongoing_requests
-        app = Gateway.options(name="kvgrid-gateway", num_replicas=cfg.http.replicas, max_ongoing_requests=ongoing,
-                              health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
-                              ray_actor_options=front).bind(public, keys, model_path, routers, url)
-        serve.run(app, name="kvgrid", route_prefix="/", blocking=False)
-        if cfg.admin_keys:
-            admin = Admin.options(name="admin", max_ongoing_requests=ongoing, ray_actor_options=front).bind(
-                keys, [t.name for t in cfg.tenants], supervisor, routers, cfg.http.docs)
-            serve.run(admin, name="kvgrid-admin", route_prefix="/admin", blocking=False)
+        app = GatewayReplica.options(
+            name="kvgrid-gateway", num_replicas=cfg.http.replicas, health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
+            ray_actor_options=front,
+        ).bind(public, keys, model_path, routers, url, supervisor if cfg.admin_keys else None)
+        serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
         print(f"redis: {'embedded' if embedded else _redacted(redis_url)}")

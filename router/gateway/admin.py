@@ -1,4 +1,4 @@
-"""The operator's HTTP API (a Ray Serve deployment under ``/admin``), deployed only when the config lists
+"""The operator's HTTP API (under ``/admin`` of every gateway replica), deployed only when the config lists
 ``admin_keys``; tenant keys never open it. ``kvgrid scale`` and ``kvgrid groups`` are its clients.
 
     GET  /admin/v1/groups                      the worker groups (state, ranks, load); index keys per group, per
@@ -20,17 +20,17 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from router.gateway.protocol import BodyError, parse_body
+from router.gateway.routes import Routes
 from router.gateway.store import KeyRing, presented_key
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
 DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)
 SCALE_TIMEOUT_S = 3600.0  # a scale waits for groups to start and drain (each bounded by the supervisor)
 
-admin_app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
+routes = Routes()  # the admin endpoints, bound to one Admin by create_admin_app
 
 
 # Strict: an operator's typo must not scale the cluster (``{"groups": true}`` would otherwise mean 1 group).
@@ -57,7 +57,6 @@ class _AdminError(Exception):
         self.status, self.message = status, message
 
 
-@admin_app.exception_handler(_AdminError)
 async def _admin_error(_: Request, exc: _AdminError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # the cluster is restarting: retry
     return JSONResponse({"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status,
@@ -99,9 +98,6 @@ _GAUGES = [  # (name, help, EngineStats field)
 ]
 
 
-# Serve captures this class when it is decorated: every module-level name it uses must be defined above.
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-@serve.ingress(admin_app)
 class Admin:
     """``keys`` holds the admin keys' hashes under the name ``admin`` (``KeyRing.from_config``)."""
 
@@ -129,20 +125,20 @@ class Admin:
                 raise _remote_error(exc) from None
         raise _remote_error(last) from None
 
-    @admin_app.get("/openapi.json", include_in_schema=False)
+    @routes.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request):
         if not self.docs_on:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse(request.app.openapi())
 
-    @admin_app.get("/docs", include_in_schema=False)
+    @routes.get("/docs", include_in_schema=False)
     async def docs(self, request: Request):
         if not self.docs_on:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
                                    title="kvgrid admin")
 
-    @admin_app.get("/v1/groups")
+    @routes.get("/v1/groups")
     async def groups(self, request: Request):
         self._auth(request)
         index_keys = []  # per router replica; one that does not answer shows as null
@@ -160,7 +156,7 @@ class Admin:
         return {"groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S), "index_keys": index_keys,
                 "supervisor": await _call(self.supervisor.info.remote()), "routers": routers}
 
-    @admin_app.post("/v1/scale")
+    @routes.post("/v1/scale")
     async def scale(self, request: Request):
         self._auth(request)
         body: ScaleRequest = await _parse(request, ScaleRequest)
@@ -168,7 +164,7 @@ class Admin:
                              SCALE_TIMEOUT_S)
         return {"groups": groups}
 
-    @admin_app.post("/v1/match")
+    @routes.post("/v1/match")
     async def match(self, request: Request):
         self._auth(request)
         body: MatchRequest = await _parse(request, MatchRequest)
@@ -176,7 +172,7 @@ class Admin:
             raise _AdminError(404, f"no tenant {body.tenant!r}")
         return {"groups": await self._ask_router("match", body.tenant, body.token_ids)}
 
-    @admin_app.get("/v1/metrics")
+    @routes.get("/v1/metrics")
     async def metrics(self, request: Request):
         self._auth(request)
         for gauge, _ in self.gauges:  # drained groups disappear
@@ -189,3 +185,11 @@ class Admin:
             for gauge, field in self.gauges:
                 gauge.labels(group).set(getattr(stats, field))
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_admin_app(admin: Admin) -> FastAPI:
+    """The admin API's ASGI app (the gateway mounts it under ``/admin``)."""
+    app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(_AdminError, _admin_error)
+    routes.include(app, admin)
+    return app

@@ -1,10 +1,10 @@
-"""The HTTP gateway (one Ray Serve deployment, at ``/``): every tenant's OpenAI- and Anthropic-compatible APIs,
-cached content objects and Prometheus metrics, under ``/{tenant}/...``. It authenticates (in memory), tokenises,
-applies the tenant's limits and cache policy, asks a router replica for a worker group, streams the group's
-outputs back, and records usage.
+"""The HTTP gateway: every tenant's OpenAI- and Anthropic-compatible APIs, cached content objects and Prometheus
+metrics, under ``/{tenant}/...``. It authenticates (in memory), tokenises, applies the tenant's limits and cache
+policy, asks a router replica for a worker group, streams the group's outputs back, and records usage.
+``create_app`` makes its ASGI app; router/gateway/server.py serves it from every gateway replica.
 
-One application serves every tenant, so nothing unauthenticated lists them (Ray Serve's ``/-/routes`` shows only
-``/`` and ``/admin``), and an unknown tenant gets exactly the 401 of a wrong key."""
+One app serves every tenant, so no route lists them, and an unknown tenant gets exactly the 401 of a wrong
+key."""
 
 # No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
 
@@ -23,7 +23,6 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel
-from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from common.config import ServeConfig, TenantConfig, parse_duration
@@ -42,6 +41,7 @@ from router.gateway.protocol import (
     parse_body,
 )
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
+from router.gateway.routes import Routes
 from router.routing.router import NoGroup, Overloaded
 from router.gateway.store import (
     CachedContentStore,
@@ -76,7 +76,7 @@ HEALTH_TIMEOUT_S = 10.0
 ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
 STORE_RETRY_AFTER_S = 2.0
 
-app = FastAPI(title="kvgrid gateway", docs_url=None, redoc_url=None, openapi_url=None)
+routes = Routes()  # the gateway's endpoints, bound to one Gateway by create_app
 
 
 class _GroupFailed(Exception):
@@ -116,12 +116,10 @@ def _api_of(path: str) -> str:
     return "anthropic" if path.endswith("/messages") else "openai"
 
 
-@app.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return exc.response()
 
 
-@app.exception_handler(StoreUnavailable)
 async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
     """Redis is down or slow: what needs it answers a retryable 503 at once instead of waiting."""
     return _err(503, "the service's state store is unavailable; retry shortly", _api_of(request.url.path),
@@ -325,9 +323,6 @@ def _stop_reason(out: RequestOutput) -> str:
     return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
 
 
-# Serve captures this class when it is decorated: every module-level name it uses must be defined above.
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-@serve.ingress(app)
 class Gateway:
     """Every tenant's APIs in one deployment; ``config`` carries no API keys (``keys`` holds their hashes)."""
 
@@ -352,8 +347,8 @@ class Gateway:
         self._background: set[asyncio.Task] = set()
         self._links: dict[str, GroupLink] = {}  # group -> this replica's subscription to its leader
 
-    async def __del__(self) -> None:
-        """Serve calls this when the replica stops: write the usage still buffered (Redis permitting)."""
+    async def close(self) -> None:
+        """When the replica stops, on the loop that served it: write the usage still buffered (Redis permitting)."""
         try:
             await self.ledger.close()
         except StoreUnavailable:
@@ -598,13 +593,13 @@ class Gateway:
 
     # -- documentation (``http.docs``) ------------------------------------------------------------------------
 
-    @app.get("/openapi.json", include_in_schema=False)
+    @routes.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request):
         if not self.config.http.docs:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse(request.app.openapi())
 
-    @app.get("/docs", include_in_schema=False)
+    @routes.get("/docs", include_in_schema=False)
     async def docs(self, request: Request):
         if not self.config.http.docs:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
@@ -612,13 +607,13 @@ class Gateway:
 
     # -- OpenAI ------------------------------------------------------------------------------------------------
 
-    @app.get("/{tenant}/v1/models")
+    @routes.get("/{tenant}/v1/models")
     async def models(self, tenant: str, request: Request):
         self._auth(tenant, request, "openai")
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                             "owned_by": "kvgrid"}]}
 
-    @app.post("/{tenant}/v1/chat/completions")
+    @routes.post("/{tenant}/v1/chat/completions")
     async def chat_completions(self, tenant: str, request: Request):
         t = self._auth(tenant, request, "openai")
         return await self._held(t, "openai", self._chat_completions(t, request))
@@ -635,7 +630,7 @@ class Gateway:
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
         return await self._openai_respond(t, request, body, prompt, len(prefix), ttl, max_tokens, chat=True)
 
-    @app.post("/{tenant}/v1/completions")
+    @routes.post("/{tenant}/v1/completions")
     async def completions(self, tenant: str, request: Request):
         t = self._auth(tenant, request, "openai")
         return await self._held(t, "openai", self._completions(t, request))
@@ -716,7 +711,7 @@ class Gateway:
 
     # -- Anthropic ---------------------------------------------------------------------------------------------
 
-    @app.post("/{tenant}/v1/messages")
+    @routes.post("/{tenant}/v1/messages")
     async def messages(self, tenant: str, request: Request):
         t = self._auth(tenant, request, "anthropic")
         return await self._held(t, "anthropic", self._messages(t, request))
@@ -877,7 +872,7 @@ class Gateway:
                            cache_write_tokens=len(tokens) - read)
         t.metrics.record(len(tokens), read, len(out.token_ids), predicted, out.num_cached_tokens)
 
-    @app.post("/{tenant}/v1/cachedContents")
+    @routes.post("/{tenant}/v1/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
         t = self._auth(tenant, request, "openai")
         return await self._held(t, "openai", self._create_cached_content(t, request))
@@ -916,12 +911,12 @@ class Gateway:
             raise _err(400, f"ttl must be between 1s and {MAX_CACHED_CONTENT_TTL_S:.0f}s", "openai")
         return seconds
 
-    @app.get("/{tenant}/v1/cachedContents")
+    @routes.get("/{tenant}/v1/cachedContents")
     async def list_cached_contents(self, tenant: str, request: Request):
         t = self._auth(tenant, request, "openai")
         return {"cachedContents": [c.public() for c in await self.contents[t.name].list(t.name)]}
 
-    @app.get("/{tenant}/v1/cachedContents/{cid}")
+    @routes.get("/{tenant}/v1/cachedContents/{cid}")
     async def get_cached_content(self, tenant: str, cid: str, request: Request):
         t = self._auth(tenant, request, "openai")
         cc = await self.contents[t.name].get(t.name, f"cachedContents/{cid}")
@@ -929,7 +924,7 @@ class Gateway:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         return cc.public()
 
-    @app.patch("/{tenant}/v1/cachedContents/{cid}")
+    @routes.patch("/{tenant}/v1/cachedContents/{cid}")
     async def patch_cached_content(self, tenant: str, cid: str, request: Request):
         t = self._auth(tenant, request, "openai")
         return await self._held(t, "openai", self._patch_cached_content(t, cid, request))
@@ -948,7 +943,7 @@ class Gateway:
             raise _err(404, f"cached content {cid!r} not found", "openai")
         return cc.public()
 
-    @app.delete("/{tenant}/v1/cachedContents/{cid}")
+    @routes.delete("/{tenant}/v1/cachedContents/{cid}")
     async def delete_cached_content(self, tenant: str, cid: str, request: Request):
         t = self._auth(tenant, request, "openai")
         if not await self.contents[t.name].delete(t.name, f"cachedContents/{cid}"):
@@ -957,9 +952,26 @@ class Gateway:
 
     # -- metrics -----------------------------------------------------------------------------------------------
 
-    @app.get("/{tenant}/metrics")
+    @routes.get("/{tenant}/metrics")
     async def metrics(self, tenant: str, request: Request):
         """This tenant's own counters only: worker-group load moves with every tenant's traffic, so it is on the
         admin API (``/admin/v1/metrics``), never here."""
         t = self._auth(tenant, request, "openai")
         return Response(generate_latest(t.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _healthz() -> Response:
+    """For a load balancer in front of the frontend nodes: this replica serves (no tenant data)."""
+    return Response("success", media_type="text/plain")
+
+
+def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
+    """The gateway's ASGI app: every tenant's routes bound to ``gateway``, and the admin API under ``/admin``."""
+    app = FastAPI(title="kvgrid gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StoreUnavailable, _store_unavailable)
+    app.add_api_route("/-/healthz", _healthz, methods=["GET"], include_in_schema=False)
+    if admin is not None:
+        app.mount("/admin", admin)  # before the tenant routes: "/{tenant}/..." would take "/admin/..." too
+    routes.include(app, gateway)
+    return app

@@ -1,0 +1,169 @@
+"""Every gateway replica serves HTTP itself: the ``kvgrid-gateway`` Serve deployment runs a uvicorn server in each
+replica, on ``http.port`` of its node.
+
+Ray Serve's own ingress puts a proxy actor in front of the replicas: each request, and every chunk of a stream,
+crosses one more process as a Ray object (on a 2-core machine the proxy took as much CPU as the gateway, and
+decode through HTTP ran at a third of the engine's speed). Here every replica binds the same port with
+``SO_REUSEPORT``, so the kernel spreads new connections over the replicas of a node and a response goes from the
+replica straight to the client. Serve still places, health-checks and restarts the replicas; its proxy is off.
+
+A replica that dies takes its open connections with it (clients retry: both official SDKs do); new connections
+go to the replicas left, and to the replacement once it has bound the port."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI
+from ray import serve
+
+from common.config import ServeConfig
+from router.gateway.admin import Admin, create_admin_app
+from router.gateway.app import Gateway, create_app
+from router.gateway.store import KeyRing
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0  # open streams get this long to finish when a replica stops
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def listen(host: str, port: int, backlog: int = 2048, shared: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port``; ``shared`` lets the node's other gateway replicas bind it too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"http: {host}:{port} is in use by another program (set http.port)") from None
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail unless nothing listens on ``host:port``: a socket that shares the port (an earlier kvgrid's gateway)
+    counts too, since a second server would silently take half of its connections."""
+    listen(host, port, backlog=1, shared=False).close()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is faster; asyncio's loop works the same
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+class IngressServer:
+    """A uvicorn server on a thread and event loop of its own. ``make_app`` runs on that loop, so everything the
+    app creates (Redis clients, background tasks, group subscriptions) lives on the loop that serves it;
+    ``on_stop`` runs there too, after the last connection closed."""
+
+    def __init__(self, make_app: Callable[[], FastAPI], sock: socket.socket, limit_concurrency: int,
+                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        self._make_app, self._sock, self._on_stop = make_app, sock, on_stop
+        self._limit = limit_concurrency
+        self.server: uvicorn.Server | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvgrid-ingress", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise RuntimeError(f"the gateway's HTTP server did not start within {START_TIMEOUT_S:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"the gateway's HTTP server did not start: {self.error!r}") from self.error
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            try:
+                runner.run(self._serve())
+            except BaseException as exc:  # noqa: BLE001 - reported by alive() and the constructor
+                self.error = exc
+                log.exception("the gateway's HTTP server stopped")
+            finally:
+                self._ready.set()
+                if self._on_stop is not None:
+                    try:
+                        runner.run(self._on_stop())
+                    except Exception:
+                        log.exception("stopping the gateway")
+        self._sock.close()
+
+    async def _serve(self) -> None:
+        config = uvicorn.Config(self._make_app(), lifespan="off", log_level="warning", access_log=False,
+                                limit_concurrency=self._limit, timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
+                                http="httptools" if _has("httptools") else "h11", ws="none")
+        self.server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(self.server.serve(sockets=[self._sock]))
+        while not self.server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        self._ready.set()
+        await serving
+
+    def alive(self) -> bool:
+        return (self._thread.is_alive() and self.error is None and self.server is not None
+                and self.server.started and not self.server.should_exit)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S + 5) -> None:
+        """Stop accepting, let open requests finish (up to ``STOP_TIMEOUT_S``), run ``on_stop``."""
+        if self.server is not None:
+            self.server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class GatewayReplica:
+    """One gateway replica: a ``Gateway`` served on ``config.http``'s host and port, with the admin API under
+    ``/admin`` when it is given the ``supervisor`` (the config has ``admin_keys``). ``config`` carries no API keys
+    (``keys`` holds their hashes)."""
+
+    def __init__(self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list, redis_url: str,
+                 supervisor=None) -> None:
+        self.gateway: Gateway | None = None
+
+        def make_app() -> FastAPI:
+            self.gateway = Gateway(config, keys, model_path, routers, redis_url)
+            admin = None
+            if supervisor is not None:
+                admin = create_admin_app(Admin(keys, [t.name for t in config.tenants], supervisor, routers,
+                                               config.http.docs))
+            return create_app(self.gateway, admin)
+
+        sock = listen(config.http.host, config.http.port)
+        self.ingress = IngressServer(make_app, sock, config.http.max_ongoing_requests, on_stop=self._close)
+
+    async def _close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose HTTP server stopped is replaced."""
+        if not self.ingress.alive():
+            raise RuntimeError(f"the gateway's HTTP server is not running ({self.ingress.error!r})")
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica."""
+        await asyncio.to_thread(self.ingress.stop)
