@@ -130,6 +130,9 @@ class ServeConfig(_Strict):
     step_timeout_s: float = Field(60.0, gt=0)  # a group whose step runs longer has failed (a hung rank)
     # Threads each rank computes its steps with (default: this machine's cores over the groups' ranks, >= 1).
     cpus_per_rank: int | None = Field(None, ge=1)
+    # CPU threads of a rank's decode-only steps (default: one fewer than cpus_per_rank, at least 1, so that the
+    # HTTP path streaming the tokens keeps a core); every other step uses cpus_per_rank.
+    decode_cpus_per_rank: int | None = Field(None, ge=1)
     cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
     tenants: list[TenantConfig] = Field(min_length=1)
 
@@ -177,6 +180,12 @@ class ServeConfig(_Strict):
         if self.cpus_per_rank is not None:
             return self.cpus_per_rank
         return max(1, (os.cpu_count() or 1) // (self.groups * self.tensor_parallel))
+
+    @property
+    def decode_threads(self) -> int:
+        if self.decode_cpus_per_rank is not None:
+            return min(self.decode_cpus_per_rank, self.rank_threads)
+        return max(1, self.rank_threads - 1)
 
 
 def load_config(path: str | Path) -> ServeConfig:

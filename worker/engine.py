@@ -69,6 +69,10 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     # CUDA, one rank: replay decode steps from CUDA graphs captured at start-up (ignored on CPU).
     cuda_graphs: bool = True
+    # CPU: intra-op threads of a decode-only step (one token per sequence); None = as many as every other step.
+    # A decode step is small and the HTTP path streams its tokens meanwhile: with cores shared, fewer threads
+    # for it wait less on each other (see ModelRunner.pick_threads).
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not is_power_of_two(self.block_size):
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {self.decode_threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -115,6 +121,7 @@ def build_runner(config: EngineConfig) -> ModelRunner:
     dtype = _pick_dtype(config.dtype, mcfg, device)
     backend = get_backend(config.attention_backend, device.type)
     runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
+    runner.decode_threads = config.decode_threads
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))

@@ -96,6 +96,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
             model=model_path, block_size=cfg.block_size, device="cuda" if use_gpu else "cpu",
             kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len, secret=secret,
             step_timeout_s=cfg.step_timeout_s, cuda_graphs=cfg.cuda_graphs,
+            decode_threads=None if use_gpu else cfg.decode_threads,
             pinned_token_limits={t.name: t.cache.max_pinned_tokens for t in cfg.tenants
                                  if t.cache.max_pinned_tokens is not None},
             tenant_shares={t.name: t.cache.share for t in cfg.tenants},
