@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -114,7 +115,8 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 and --quick to check the script on CPU")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    print(f"device: {name}; layer: {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, page {PAGE}, {args.dtype}")
+    print(f"device: {name}; layer: {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, page {PAGE}, "
+          f"{args.dtype}")
     print(f"correctness vs float64: max relative error {check(device, dtype):.2e}")
     scale = HEAD_DIM**-0.5
     elem = torch.empty((), dtype=dtype).element_size()
@@ -127,8 +129,8 @@ def main() -> None:
     for b in batches:
         for c in ctxs:
             q, kc, vc, md, qc, k, v = build(b, c - 1, 1, dtype, device)
-            t = timed(lambda: paged_attention(q, kc, vc, md, scale), device)
-            ts = timed(lambda: sdpa(qc, k, v, c - 1), device)
+            t = timed(partial(paged_attention, q, kc, vc, md, scale), device)
+            ts = timed(partial(sdpa, qc, k, v, c - 1), device)
             bw = 2 * b * c * KV_HEADS * HEAD_DIM * elem / t
             print(f"         {b:5d}  {c:7d}   {t * 1e3:9.3f}  {bw / 1e9:6.0f}   {100 * bw / copy_bw:8.1f}%  "
                   f"{ts * 1e3:8.3f}   {ts / t:6.2f}")
@@ -138,8 +140,8 @@ def main() -> None:
     print("\nextend   batch  new  cached   triton ms   TFLOP/s   sdpa ms   sdpa TFLOP/s   triton/sdpa")
     for cached in ((0, 64) if args.quick else (0, 8192)):
         q, kc, vc, md, qc, k, v = build(b, cached, new, dtype, device)
-        t = timed(lambda: paged_attention(q, kc, vc, md, scale), device)
-        ts = timed(lambda: sdpa(qc, k, v, cached), device)
+        t = timed(partial(paged_attention, q, kc, vc, md, scale), device)
+        ts = timed(partial(sdpa, qc, k, v, cached), device)
         pairs = b * (new * cached + new * (new + 1) // 2)  # (query, key) pairs attended
         flops = 4 * pairs * HEADS * HEAD_DIM
         print(f"         {b:5d}  {new:4d}  {cached:6d}   {t * 1e3:9.3f}  {flops / t / 1e12:8.1f}  {ts * 1e3:8.3f}  "

@@ -13,9 +13,9 @@
 5. prints a markdown table and the machine, and writes the figures as JSON into the work folder.
 
 Nothing else in kvgrid needs this script or ``.venv-vllm``. Every run uses its own seed, so no run finds
-another's prompts in the cache; each figure is the median of ``--repeats`` runs. Each server is started afresh for every figure and the servers take turns going
-first, so slow drift of the machine favours neither side; ``--one-start`` starts each server once for all
-figures instead (quicker: about a minute per start).
+another's prompts in the cache; each figure is the median of ``--repeats`` runs. Each server is started afresh
+for every figure and the servers take turns going first, so slow drift of the machine favours neither side;
+``--one-start`` starts each server once for all figures instead (quicker: about a minute per start).
 """
 
 from __future__ import annotations

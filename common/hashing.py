@@ -14,7 +14,7 @@ import hmac
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -99,7 +99,7 @@ class ChunkKeyCache:
             self._chunks.move_to_end(tag)
         return keys
 
-    def put(self, tag: bytes, keys: list[bytes]) -> None:
+    def put(self, tag: bytes, keys: Sequence[bytes]) -> None:
         self._chunks[tag] = tuple(keys)
         if len(self._chunks) > self.max_chunks:
             self._chunks.popitem(last=False)
@@ -130,19 +130,26 @@ def iter_key_chunks(
     for first in range(start_block, n_full, chunk_blocks):
         last = min(first + chunk_blocks, n_full)
         data = token_bytes(token_ids[first * block_size : last * block_size])
-        tag = chunk = None
+        chunk: Sequence[bytes] | None = None
         if cache is not None:
             tag = xxhash.xxh3_128_digest(b"%s:%d:" % (algo.encode(), block_size) + parent + data)
             chunk = cache.get(tag)
-        if chunk is None:
-            chunk = []
-            for off in range(0, len(data), step):
-                parent = digest(parent + data[off : off + step])
-                chunk.append(parent)
-            if cache is not None:
+            if chunk is None:
+                chunk = _chain(digest, parent, data, step)
                 cache.put(tag, chunk)
+        else:
+            chunk = _chain(digest, parent, data, step)
         parent = chunk[-1]
         yield chunk
+
+
+def _chain(digest: Callable[[bytes], bytes], parent: bytes, data: bytes, step: int) -> list[bytes]:
+    """The chained keys of the blocks in ``data`` (``step`` bytes each), the first chained to ``parent``."""
+    keys = []
+    for off in range(0, len(data), step):
+        parent = digest(parent + data[off : off + step])
+        keys.append(parent)
+    return keys
 
 
 def _sha256(data: bytes) -> bytes:

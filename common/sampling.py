@@ -61,7 +61,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
         if not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
         self.stop_token_ids = list(self.stop_token_ids)

@@ -52,7 +52,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         out = engine.generate([ids], params, tenant=args.tenant)[0]
         total = time.perf_counter() - start
         print(f"\n[{i}] prompt: {len(ids)} tokens, {out.num_cached_tokens} from the prefix cache")
-        print(f"    time to first token: {out.ttft * 1e3:.1f} ms, total {total * 1e3:.1f} ms")
+        if out.error is not None:  # the engine failed this request alone: maybe before its first token
+            print(f"    failed: {out.error}")
+        ttft = "none" if out.ttft is None else f"{out.ttft * 1e3:.1f} ms"
+        print(f"    time to first token: {ttft}, total {total * 1e3:.1f} ms")
         print(f"    output tokens: {out.token_ids}")
         print(f"    output text:   {out.text!r}")
     return 0

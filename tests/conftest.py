@@ -69,7 +69,7 @@ _RAY_CODE = re.compile(r"\bray\.init\(|\bCluster\(|\binit_local_ray\(|\bWorkerGr
 _TESTS = Path(__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code(func) -> str:
     """The source of ``func`` when it is defined under tests/ (not pytest's own fixtures), else ""."""
     try:

@@ -144,8 +144,9 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"kvgrid serve exited:\n{self.log_text()[-3000:]}"
             try:
-                if self._ready_lines() >= starts and all(httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5).status_code == 200
-                       for t, k in self.ready):
+                models = (httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5)
+                          for t, k in self.ready)
+                if self._ready_lines() >= starts and all(r.status_code == 200 for r in models):
                     return
             except httpx.HTTPError:
                 pass

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
@@ -231,7 +230,7 @@ class PoolMachine(RuleBasedStateMachine):
         for seq in self.live:
             for b in seq.block_table:
                 refs[b.block_id] += 1
-        for block_id, (until, _) in pool.pins.items():
+        for block_id in pool.pins:
             refs[block_id] += 1
             assert pool.blocks[block_id].key is not None
         for b in pool.blocks:

@@ -18,9 +18,20 @@ import httpx
 import openai
 import pytest
 import ray
+
 from harness import (
+    ACME_KEY,
+    ADMIN_KEY,
+    GLOBEX_KEY,
+    SYSTEM,
     TWO_TENANTS,
-    ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, RedisServer, Server, chat, free_port, oa, wait_for, write_config,
+    RedisServer,
+    Server,
+    chat,
+    free_port,
+    oa,
+    wait_for,
+    write_config,
 )
 
 RECOVERY_S = 30.0  # the target for a killed control-plane process

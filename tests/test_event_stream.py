@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from common.event_stream import RedisStreamSink, RedisStreamSubscription, stream_name
 from common.events import AllCleared, BlockRemoved, BlockStored
 from common.sampling import SamplingParams

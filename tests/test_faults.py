@@ -21,8 +21,17 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
 from harness import (
-    ACME_KEY, ADMIN_KEY, GLOBEX_KEY, TEST_DEFAULTS, TWO_TENANTS, RedisServer, Server, free_port, wait_for,
+    ACME_KEY,
+    ADMIN_KEY,
+    GLOBEX_KEY,
+    TEST_DEFAULTS,
+    TWO_TENANTS,
+    RedisServer,
+    Server,
+    free_port,
+    wait_for,
 )
 from load import KINDS, LOST, OK, Load, percentile
 

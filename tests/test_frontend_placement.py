@@ -8,10 +8,10 @@ import ray
 
 def test_gateway_replicas_spread_over_the_frontend_cpu_nodes_and_never_on_a_gpu_node():
     """A separate three-node cluster: a GPU-like head without the frontend resource, two CPU frontend nodes."""
-    from harness import free_port
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from harness import free_port
     from router.control.serve import FRONTEND_RESOURCE, frontend_actor_options
 
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -22,14 +22,20 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, serving
 from pydantic import BaseModel, ValidationError
 
-from worker.models.demo_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 from common.model_config import load_tokenizer
+from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, serving
 from router.gateway.admin import MatchRequest, ScaleRequest
-from router.gateway.protocol import CachedContentPatch, CachedContentRequest, ChatRequest, CompletionRequest, MessagesRequest
 from router.gateway.chat import encode_chat
+from router.gateway.protocol import (
+    CachedContentPatch,
+    CachedContentRequest,
+    ChatRequest,
+    CompletionRequest,
+    MessagesRequest,
+)
+from worker.models.demo_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 
 PER_FAMILY = 5000
 IN_FLIGHT = 16

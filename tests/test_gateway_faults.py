@@ -15,12 +15,13 @@ import httpx
 import psutil
 import pytest
 import redis
+
 from harness import (
-    TWO_TENANTS,
     ACME_KEY,
     ADMIN_KEY,
     GLOBEX_KEY,
     SYSTEM,
+    TWO_TENANTS,
     RedisServer,
     Server,
     an,
@@ -30,7 +31,6 @@ from harness import (
     wait_for,
     write_config,
 )
-
 from router.gateway.store import read_usage
 
 INITECH_KEY = "sk-initech-test-1"  # requests_per_s: 1
@@ -330,7 +330,8 @@ def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
         t = time.monotonic()
         marked = httpx.post(f"{server.base}/globex/v1/messages", headers={"x-api-key": GLOBEX_KEY}, timeout=30,
                             json={"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
-                                {"type": "text", "text": "Paused. " + SYSTEM, "cache_control": {"type": "ephemeral"}}]}]})
+                                {"type": "text", "text": "Paused. " + SYSTEM,
+                                 "cache_control": {"type": "ephemeral"}}]}]})
         assert marked.status_code == 503 and marked.json()["type"] == "error", marked.text
         assert time.monotonic() - t < 5
         # Auth is in memory and acme has no Redis-backed limit: plain completions go on.

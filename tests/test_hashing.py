@@ -68,7 +68,8 @@ def test_keys_do_not_depend_on_the_process_or_hash_seed():
     seen = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        seen.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        seen.add(run.stdout)
     assert seen == {block_keys(TOKENS, 16, tenant_root_key(b"secret", "acme"))[-1].hex() + "\n"}
 
 

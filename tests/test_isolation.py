@@ -35,9 +35,9 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, Server, an, chat, oa
 
 from common.hashing import tenant_root_key
+from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, Server, an, chat, oa
 
 INITECH_KEY = "sk-initech-test-01"
 KEYS = {"acme": ACME_KEY, "globex": GLOBEX_KEY, "initech": INITECH_KEY}
@@ -134,7 +134,7 @@ def _unique(tag: str) -> str:
 
 def _cached_metric(server: Server, tenant: str) -> float:
     text = httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant), timeout=30).text
-    m = re.search(r'^kvgrid_cached_tokens_total\{tenant="%s"\} (\S+)$' % tenant, text, re.M)
+    m = re.search(rf'^kvgrid_cached_tokens_total\{{tenant="{re.escape(tenant)}"\}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

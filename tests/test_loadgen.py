@@ -1,4 +1,5 @@
-"""`kvgrid bench serve` (router/sim/loadgen.py): its pure parts, then the load generator against a real `kvgrid serve`."""
+"""`kvgrid bench serve` (router/sim/loadgen.py): its pure parts, then the load generator against a real
+`kvgrid serve`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import math
 from pathlib import Path
 
 import pytest
-from harness import ACME_KEY, free_port
 
+from harness import ACME_KEY, free_port
 from router import cli
 from router.sim import loadgen, replay
-from router.sim.loadgen import Prompt, Result, TokenSource, percentile, poisson_offsets, random_prompts, summarise, words
+from router.sim.loadgen import (
+    Prompt,
+    Result,
+    TokenSource,
+    percentile,
+    poisson_offsets,
+    random_prompts,
+    summarise,
+    words,
+)
 from router.sim.trace import TraceEntry, read_mooncake
 
 TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"

@@ -23,7 +23,7 @@ from common.events import AllCleared, BlockRemoved, BlockStored
 from common.sampling import SamplingParams
 from harness import free_port
 from worker.engine import Engine, EngineConfig
-from worker.sampler import SampleResult, Sampler
+from worker.sampler import Sampler, SampleResult
 from worker.sequence import Sequence
 
 PROMPT = list(range(500, 540))

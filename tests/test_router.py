@@ -11,9 +11,9 @@ from pathlib import Path
 from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
 from common.sampling import SamplingParams
 from router.routing.index import PrefixIndex
-from router.sim.replay import load_trace, replay
 from router.routing.router import Router
 from router.routing.transport import InProcessTransport
+from router.sim.replay import load_trace, replay
 
 SECRET = b"router-test-secret"
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1500.jsonl"  # see tests/data/README.md

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from harness import ACME_KEY, ADMIN_KEY, SYSTEM, chat, oa, serving, wait_for
 
 

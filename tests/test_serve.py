@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 import redis
-from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, an, chat, oa
 
+from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, an, chat, oa
 from router.gateway.store import read_usage
 
 

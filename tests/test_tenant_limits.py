@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, an, oa, serving
 
 INITECH_KEY = "sk-initech-test-1"

@@ -6,7 +6,6 @@ fails, and cache slots not written must keep their poison.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

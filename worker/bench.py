@@ -7,6 +7,7 @@ import json
 import random
 import statistics
 import time
+from typing import Any
 
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
@@ -64,7 +65,7 @@ def run(
         t, hit_cached = _ttft(engine, sibling)
         hit.append(t)
     engine.reset_prefix_cache()
-    result = {
+    result: dict[str, Any] = {
         "device": str(engine.device),
         "cuda_graphs": engine.runner.graphs is not None,
         "prompt_tokens": prompt_len,
@@ -125,8 +126,8 @@ def run_tp(
     else:
         print(f"tensor-parallel benchmark on {device} ({model}); TTFT of a {prompt_len}-token prompt, median of 3")
         for tp, r in results.items():
-            rates = ", ".join(f"batch {b}: {v:.1f}" for b, v in r["decode_tokens_per_s"].items())
-            print(f"  tp={tp}: TTFT {r['ttft_ms']:8.1f} ms   decode tokens/s {rates}")
+            rates_text = ", ".join(f"batch {b}: {v:.1f}" for b, v in r["decode_tokens_per_s"].items())
+            print(f"  tp={tp}: TTFT {r['ttft_ms']:8.1f} ms   decode tokens/s {rates_text}")
     return results
 
 

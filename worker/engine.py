@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.models.demo_model import resolve_model
 from common.checks import is_power_of_two
 from common.events import EventSink
 from common.hashing import HASH_ALGOS, RootKeys, new_secret
@@ -28,8 +27,9 @@ from common.sampling import SamplingParams
 from worker.attention import get_backend
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.model_runner import ModelRunner
+from worker.models.demo_model import resolve_model
 from worker.output_processor import OutputProcessor
-from worker.sampler import SampleResult, Sampler
+from worker.sampler import Sampler, SampleResult
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 

@@ -71,7 +71,7 @@ class Scheduler:
         return out
 
     def _admit(self, budget: int, out: list[ScheduledSeq]) -> int:
-        admitted = []
+        admitted: list[Sequence] = []
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break

@@ -71,14 +71,14 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         stop: threading.Event | None = None) -> int:
     from ray import serve
 
-    from worker.models.demo_model import resolve_model
     from common.hashing import new_secret
-    from router.gateway.server import GatewayReplica, check_port_free
-    from router.routing.service import RouterService
-    from router.gateway.store import KeyRing
     from router.control.supervisor import Supervisor
+    from router.gateway.server import GatewayReplica, check_port_free
+    from router.gateway.store import KeyRing
+    from router.routing.service import RouterService
     from worker.engine import EngineConfig
     from worker.group import GroupConfig, init_local_ray
+    from worker.models.demo_model import resolve_model
 
     cfg: ServeConfig = load_config(config_path)
     if address and not redis_url:
@@ -119,7 +119,8 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         supervisor = ray.remote(Supervisor).options(
             name=SUPERVISOR_NAME, max_concurrency=16, max_restarts=-1, max_task_retries=3, **front,
         ).remote(template, routers, url, max_groups=cfg.group_limit)
-        ray.get(supervisor.scale.remote(cfg.groups))
+        # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
+        ray.get(supervisor.scale.remote(cfg.groups))  # type: ignore[attr-defined]
         # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
         # them, its proxy stays off. Replicas get only key hashes, never the keys.
         check_port_free(cfg.http.host, cfg.http.port)
@@ -127,14 +128,14 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         keys = KeyRing.from_config(cfg)
         public = cfg.model_copy(update={"admin_keys": [], "tenants": [
             t.model_copy(update={"api_keys": []}) for t in cfg.tenants]})
-        app = GatewayReplica.options(
+        app = GatewayReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy ignores class decorators
             name="kvgrid-gateway", num_replicas=cfg.http.replicas, health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
             ray_actor_options=front,
         ).bind(public, keys, model_path, routers, url, supervisor if cfg.admin_keys else None)
         serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
-        print(f"redis: {'embedded' if embedded else _redacted(redis_url)}")
+        print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
         print(f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)" if cfg.admin_keys else
@@ -150,7 +151,8 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
-        ray.get([r.poll.remote() for r in routers])  # the routers follow the groups' events from now on
+        # The routers follow the groups' events from now on (poll.remote: see supervisor.scale above).
+        ray.get([r.poll.remote() for r in routers])  # type: ignore[attr-defined]
         stop.wait()
         print("shutting down", flush=True)
         return 0

@@ -259,9 +259,11 @@ class Router:
 
     def _finish(self, request_id: str) -> _Inflight | None:
         f = self._inflight.pop(request_id, None)
-        if f is not None and not f.decoding:
+        if f is None:
+            return None
+        if not f.decoding:
             self._unqueue(f)
-        load = None if f is None else self.loads.get(f.group)
+        load = self.loads.get(f.group)
         if load is None:
             return f
         if f.decoding:
@@ -314,11 +316,11 @@ class Router:
 class _Tee:
     """Iterates lazily computed key chunks and remembers the keys already produced."""
 
-    def __init__(self, chunks: Iterator[list[bytes]]) -> None:
+    def __init__(self, chunks: Iterator[Sequence[bytes]]) -> None:
         self.chunks = chunks
         self.seen: list[bytes] = []
 
-    def __iter__(self) -> Iterator[list[bytes]]:
+    def __iter__(self) -> Iterator[Sequence[bytes]]:
         for chunk in self.chunks:
             self.seen.extend(chunk)
             yield chunk

@@ -18,7 +18,7 @@ def route_latency(
     rng = random.Random(0)
     # Fill the index with other prompts' keys, spread over the groups.
     per = max(1, index_keys // groups)
-    for i, g in enumerate(names):
+    for g in names:
         router.apply_event(g, BlockStored([rng.randbytes(16) for _ in range(per)], None))
     # A cached prompt: its every block is held by one group (the worst case: the walk never stops early).
     cached = [rng.randrange(32000) for _ in range(prompt_tokens)]

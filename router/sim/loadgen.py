@@ -256,6 +256,10 @@ class Job:
     user_ids: Callable[[int], list[int]] | None = None  # turn number -> its new user tokens
     answer_ids: Callable[[int], list[int]] | None = None  # turn number -> stand-in answer tokens
 
+    def __post_init__(self) -> None:
+        if self.follow_ups and (self.user_ids is None or self.answer_ids is None):
+            raise ValueError("a job with follow-up turns needs user_ids and answer_ids")
+
 
 async def run_jobs(base_url: str, api_key: str | None, model: str, jobs: list[Job], concurrency: int | None,
                    timeout_s: float, progress: Callable[[], None]) -> tuple[list[Result], float]:
@@ -280,6 +284,7 @@ async def run_jobs(base_url: str, api_key: str | None, model: str, jobs: list[Jo
                     progress()
                     if res.error is not None or turn == job.follow_ups:
                         break  # a failed turn ends its conversation: the next prompt would need its answer
+                    assert job.user_ids is not None and job.answer_ids is not None  # Job checks: it has follow-ups
                     prompt = prompt.follow_up(res.text, res.output_tokens, job.user_ids(turn + 1),
                                               job.answer_ids(turn + 1))
             finally:
@@ -363,10 +368,14 @@ def _jobs(args: Any, src: TokenSource, output_len: int, trace: list[TraceEntry])
         firsts = random_prompts(src, args.conversations, args.input_len, args.prefix_ratio, output_len, fmt,
                                 tag="conv")
         at = poisson_offsets(len(firsts), args.request_rate, args.seed)
+
+        def turn_tokens(c: int, role: str, n: int) -> Callable[[int], list[int]]:
+            """Turn number -> ``n`` tokens for ``role``'s part of conversation ``c`` in that turn."""
+            return lambda turn: src.tokens(f"conv/{c}/{role}/{turn}", n)
+
         return warm, [
-            Job(t, p, args.turns - 1,
-                user_ids=lambda turn, c=c: src.tokens(f"conv/{c}/user/{turn}", args.turn_len),
-                answer_ids=lambda turn, c=c: src.tokens(f"conv/{c}/answer/{turn}", output_len))
+            Job(t, p, args.turns - 1, user_ids=turn_tokens(c, "user", args.turn_len),
+                answer_ids=turn_tokens(c, "answer", output_len))
             for c, (t, p) in enumerate(zip(at, firsts))
         ]
     start = trace[0].timestamp_s  # a cut of a longer trace starts where it was cut

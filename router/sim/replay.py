@@ -1,9 +1,10 @@
 """``kvgrid replay``: a request trace through the real router and simulated worker groups.
 
-Trace format (the Mooncake traces; a cut ships in ``tests/data``): one JSON object per line with ``timestamp`` (ms), ``input_length``,
-``output_length`` and ``hash_ids``, one id per block of the prompt, chained (equal ids mean equal content and
-equal prefix). A request's block keys are the chained hash (``common.hashing``) of its ids under its tenant's
-root key: the same index, policy and load bookkeeping a live router runs, fed with ids instead of tokens.
+Trace format (the Mooncake traces; a cut ships in ``tests/data``): one JSON object per line with ``timestamp``
+(ms), ``input_length``, ``output_length`` and ``hash_ids``, one id per block of the prompt, chained (equal ids
+mean equal content and equal prefix). A request's block keys are the chained hash (``common.hashing``) of its
+ids under its tenant's root key: the same index, policy and load bookkeeping a live router runs, fed with ids
+instead of tokens.
 
 Each simulated group has a real ``BlockPool`` of ``capacity_tokens // block_size`` blocks (reference counts,
 LRU eviction) and publishes its real KV events to the router. Time model: requests arrive at their
@@ -31,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.hashing import RootKeys, block_keys
-from worker.block_pool import Block, BlockPool
 from router.routing.policy import make_policy
 from router.routing.router import Router
-from router.sim.trace import read_mooncake
 from router.routing.transport import InProcessTransport
+from router.sim.trace import read_mooncake
+from worker.block_pool import Block, BlockPool
 
 REPLAY_SECRET = b"kvgrid-replay"
 

@@ -18,7 +18,9 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Scatter ``k``/``v`` [T, kv_heads, head_dim] into the caches at ``slots`` (block * block_size + offset);
     a token whose slot is -1 is not written."""
     t, kv_heads, head_dim = k.shape

@@ -18,7 +18,13 @@ _use_onednn: bool | None = None if _onednn_linear is not None else False  # None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; through oneDNN for 2-D float32 inputs on the CPU, where it works."""
     global _use_onednn
-    if _use_onednn is not False and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+    if (
+        _onednn_linear is not None
+        and _use_onednn is not False
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
         if _use_onednn:
             return _onednn_linear(x, weight, bias, "none", [], "")
         try:

@@ -36,6 +36,9 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | No
 class RotaryEmbedding(nn.Module):
     """One table for every layer: a step looks its positions up once (``lookup``) and each layer rotates with it."""
 
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv = inverse_frequencies(head_dim, base, scaling).float()

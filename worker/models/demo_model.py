@@ -191,7 +191,12 @@ def _tokenizer_json() -> str:
 def _tokenizer_facts() -> tuple[dict[str, int], int]:
     """Special token ids and the full vocabulary size (added tokens included) of the demo tokenizer."""
     tokenizer = Tokenizer.from_str(_tokenizer_json())
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise RuntimeError(f"the demo tokenizer lacks the special token {token!r}")
+        ids[token] = token_id
     return ids, tokenizer.get_vocab_size(with_added_tokens=True)
 
 
