@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install run test test-fast bench
+.PHONY: install run lint test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/kvgrid serve --config router/demo.yaml
 
-test: install
+# Lint and type checks (configured in pyproject.toml): ruff's linter, its formatter in check mode, mypy.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: install lint
 	$(PY) -m pytest -q
 
 # The quick loop: every test but the slow ones (Ray, kvgrid serve, anything over a few seconds). CI runs `make test`.
