@@ -110,8 +110,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     first = next(n for n, i in enumerate(items) if _module(i) in shared)
     block = [i for i in items if _module(i) in shared]
-    block = ([i for i in block if not i.get_closest_marker("restarts_server")]
-             + [i for i in block if i.get_closest_marker("restarts_server")])
+    block = [i for i in block if not i.get_closest_marker("restarts_server")] + [
+        i for i in block if i.get_closest_marker("restarts_server")
+    ]
     rest = [i for i in items if _module(i) not in shared]
     items[:] = rest[:first] + block + rest[first:]
 

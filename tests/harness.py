@@ -50,9 +50,21 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "", *self.persist, *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                str(self.binary),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.folder),
+                "--save",
+                "",
+                *self.persist,
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis.from_url(self.url, socket_timeout=1)
         deadline = time.monotonic() + 10
@@ -123,8 +135,15 @@ class Server:
     """``kvgrid serve`` as a subprocess; ``ready`` lists (tenant, key) pairs that must answer before it counts
     as started."""
 
-    def __init__(self, config: Path, redis_url: str, port: int, ready: list[tuple[str, str]],
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        redis_url: str,
+        port: int,
+        ready: list[tuple[str, str]],
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+    ) -> None:
         self.config, self.redis_url, self.port, self.ready = config, redis_url, port, ready
         self.args = list(args or [])  # more `kvgrid serve` arguments (e.g. --address)
         self.base = f"http://127.0.0.1:{port}"
@@ -136,16 +155,29 @@ class Server:
         starts = self._ready_lines() + 1
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config), "--redis", self.redis_url,
-                 *self.args],
-                stdout=log, stderr=subprocess.STDOUT, text=True, env=self.env,
+                [
+                    sys.executable,
+                    "-m",
+                    "router.cli",
+                    "serve",
+                    "--config",
+                    str(self.config),
+                    "--redis",
+                    self.redis_url,
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=self.env,
             )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"kvgrid serve exited:\n{self.log_text()[-3000:]}"
             try:
-                models = (httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5)
-                          for t, k in self.ready)
+                models = (
+                    httpx.get(f"{self.base}/{t}/v1/models", headers={"x-api-key": k}, timeout=5) for t, k in self.ready
+                )
                 if self._ready_lines() >= starts and all(r.status_code == 200 for r in models):
                     return
             except httpx.HTTPError:
@@ -171,8 +203,9 @@ class Server:
 
 
 @contextmanager
-def serving(tmp_path_factory, body: str, ready: list[tuple[str, str]],
-            env: dict[str, str] | None = None) -> Iterator[Server]:
+def serving(
+    tmp_path_factory, body: str, ready: list[tuple[str, str]], env: dict[str, str] | None = None
+) -> Iterator[Server]:
     """A started server with the config ``body`` (everything but ``http``) and its own Redis; both stop after."""
     redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
     port = free_port()
@@ -190,10 +223,14 @@ def serving(tmp_path_factory, body: str, ready: list[tuple[str, str]],
 # evicts another's probes), the two usual tenants and initech, explicit like globex. Every test on it uses its own
 # prompts, cached contents and pins (random or test-specific text), so tests neither see nor depend on each other.
 SHARED_INITECH_KEY = "sk-initech-test-01"
-SHARED_BODY = "kv_cache_bytes: 1073741824\n" + TWO_TENANTS + f"""  - name: initech
+SHARED_BODY = (
+    "kv_cache_bytes: 1073741824\n"
+    + TWO_TENANTS
+    + f"""  - name: initech
     api_keys: [{SHARED_INITECH_KEY}]
     cache: {{mode: explicit, default_ttl: 5m}}
 """
+)
 SHARED_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", SHARED_INITECH_KEY)]
 
 
@@ -211,8 +248,9 @@ class SharedServer:
     def _start(self) -> tuple[Server, RedisServer]:
         redis_server = RedisServer(self.tmp_path_factory.mktemp("redis"))
         port = free_port()
-        srv = Server(write_config(self.tmp_path_factory.mktemp("serve"), port, self.body), redis_server.url, port,
-                     self.ready)
+        srv = Server(
+            write_config(self.tmp_path_factory.mktemp("serve"), port, self.body), redis_server.url, port, self.ready
+        )
         try:
             srv.start()
         except BaseException:
@@ -261,6 +299,9 @@ def an(server: Server, tenant: str = "globex", key: str = GLOBEX_KEY) -> anthrop
 
 def chat(client: openai.OpenAI, user: str, system: str = SYSTEM, max_tokens: int = 12, **kw):
     return client.chat.completions.create(
-        model="demo", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=max_tokens, temperature=0, **kw,
+        model="demo",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=max_tokens,
+        temperature=0,
+        **kw,
     )

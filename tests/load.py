@@ -24,8 +24,10 @@ KINDS = ("plain", "prefix", "stream")
 
 # A prefix every tenant repeats (prefix-cache hits): 32 of the ~50 prompt tokens with the chat template.
 SHARED_PREFIX = "You answer questions about the harbour ferry. Boats leave every half hour from pier three. "
-WORDS = ("bike ferry harbour quay lighthouse ticket morning evening helmet deposit cargo island bridge market "
-         "tide north south river station coffee bakery").split()
+WORDS = (
+    "bike ferry harbour quay lighthouse ticket morning evening helmet deposit cargo island bridge market "
+    "tide north south river station coffee bakery"
+).split()
 
 
 @dataclass
@@ -57,8 +59,14 @@ class Load:
     ``"anthropic"`` (messages). Each client sends, at random, a plain request with a unique prompt (60%), one
     that repeats the tenant's shared prefix (20%) or a streamed one (20%), all with ``max_tokens`` outputs."""
 
-    def __init__(self, base_url: str, tenants: dict[str, tuple[str, str]], threads: int = 2, max_tokens: int = 8,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        tenants: dict[str, tuple[str, str]],
+        threads: int = 2,
+        max_tokens: int = 8,
+        timeout_s: float = 60.0,
+    ) -> None:
         self.base_url, self.tenants = base_url, tenants
         self.max_tokens, self.timeout_s = max_tokens, timeout_s
         self.records: list[Record] = []
@@ -66,8 +74,10 @@ class Load:
         self._stop = threading.Event()
         self._in_flight: dict[int, float] = {}  # client index -> start of its current request
         clients = [(t, i) for t in tenants for i in range(threads)]
-        self._threads = [threading.Thread(target=self._run, args=(n, t), name=f"load-{t}-{i}", daemon=True)
-                         for n, (t, i) in enumerate(clients)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(n, t), name=f"load-{t}-{i}", daemon=True)
+            for n, (t, i) in enumerate(clients)
+        ]
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -88,11 +98,13 @@ class Load:
         api, key = self.tenants[tenant]
         rng = random.Random(n)
         if api == "openai":
-            client = openai.OpenAI(base_url=f"{self.base_url}/{tenant}/v1", api_key=key, max_retries=0,
-                                   timeout=self.timeout_s)
+            client = openai.OpenAI(
+                base_url=f"{self.base_url}/{tenant}/v1", api_key=key, max_retries=0, timeout=self.timeout_s
+            )
         else:
-            client = anthropic.Anthropic(base_url=f"{self.base_url}/{tenant}", api_key=key, max_retries=0,
-                                         timeout=self.timeout_s)
+            client = anthropic.Anthropic(
+                base_url=f"{self.base_url}/{tenant}", api_key=key, max_retries=0, timeout=self.timeout_s
+            )
         while not self._stop.is_set():
             roll = rng.random()
             kind = "plain" if roll < 0.6 else "prefix" if roll < 0.8 else "stream"
@@ -117,15 +129,17 @@ class Load:
         try:
             if stream:
                 finish = None
-                for chunk in client.chat.completions.create(model="demo", messages=messages, stream=True,
-                                                            max_tokens=self.max_tokens, temperature=0):
+                for chunk in client.chat.completions.create(
+                    model="demo", messages=messages, stream=True, max_tokens=self.max_tokens, temperature=0
+                ):
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finish = chunk.choices[0].finish_reason
                 if finish not in ("length", "stop"):
                     return LOST, f"stream ended without a finish reason ({finish!r})"
                 return OK, ""
-            r = client.chat.completions.create(model="demo", messages=messages, max_tokens=self.max_tokens,
-                                               temperature=0)
+            r = client.chat.completions.create(
+                model="demo", messages=messages, max_tokens=self.max_tokens, temperature=0
+            )
             finish = r.choices[0].finish_reason
             if finish not in ("length", "stop") or not 1 <= r.usage.completion_tokens <= self.max_tokens:
                 return LOST, f"malformed answer: {finish!r}, {r.usage}"
@@ -141,8 +155,13 @@ class Load:
 
     def _anthropic(self, client: anthropic.Anthropic, system: str, user: str, stream: bool) -> tuple[str, str]:
         # This SDK version has no ``temperature`` argument; the body field is still the API's.
-        kw = dict(model="demo", system=system, messages=[{"role": "user", "content": user}],
-                  max_tokens=self.max_tokens, extra_body={"temperature": 0})
+        kw = dict(
+            model="demo",
+            system=system,
+            messages=[{"role": "user", "content": user}],
+            max_tokens=self.max_tokens,
+            extra_body={"temperature": 0},
+        )
         try:
             if stream:
                 stop = None
@@ -153,8 +172,10 @@ class Load:
                     return LOST, f"stream ended without a stop reason ({stop!r})"
                 return OK, ""
             m = client.messages.create(**kw)
-            if (m.stop_reason not in ("max_tokens", "end_turn", "stop_sequence")
-                    or not 1 <= m.usage.output_tokens <= self.max_tokens):
+            if (
+                m.stop_reason not in ("max_tokens", "end_turn", "stop_sequence")
+                or not 1 <= m.usage.output_tokens <= self.max_tokens
+            ):
                 return LOST, f"malformed answer: {m.stop_reason!r}, {m.usage}"
             return OK, ""
         except anthropic.APIStatusError as exc:
