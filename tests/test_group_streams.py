@@ -83,7 +83,7 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
 
 
 def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_subscribes_anew(ray_local, demo_path):
-    from router.gateway.app import _failure, _GroupFailed
+    from router.gateway.core import GroupFailed, group_failure
     from common.errors import GroupUnhealthyError
     from worker.group import GroupConfig, WorkerGroup
 
@@ -106,7 +106,7 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
 
         results, old = asyncio.run(run())
         assert all(isinstance(r, GroupUnhealthyError) for r in results), results
-        assert isinstance(_failure(results[0], "g-die", "openai"), _GroupFailed)  # the gateway retries elsewhere
+        assert isinstance(group_failure(results[0], "g-die", "openai"), GroupFailed)  # the gateway retries elsewhere
         g.restart()
 
         async def again():

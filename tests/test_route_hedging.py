@@ -10,9 +10,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from router.gateway.app import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, _HedgeBudget
+from router.gateway.core import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, HedgeBudget
 from router.routing.router import NoGroup, Overloaded
 
 ATTEMPT = "acme-0123-0"
@@ -48,23 +48,21 @@ class Replica:
         return SimpleNamespace(group=f"group-of-{self.name}")
 
 
-class RouterError(RayError):
-    """What a router replica's own exception looks like to the gateway (a ``RayTaskError`` with a cause)."""
-
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
+def RouterError(cause: Exception) -> RayError:  # noqa: N802 (stands for the class the gateway sees)
+    """What a router replica's own exception looks like to the gateway: a ``RayTaskError`` that is also an
+    instance of the cause's class, with the cause in ``cause``."""
+    return RayTaskError("route", "Traceback (router replica)", cause).as_instanceof_cause()
 
 
-def gateway(*replicas: Replica, budget: _HedgeBudget | None = None) -> SimpleNamespace:
+def gateway(*replicas: Replica, budget: HedgeBudget | None = None) -> SimpleNamespace:
     """The gateway state ``_route`` reads; the first replica is asked first."""
     return SimpleNamespace(routers=list(replicas), _next_router=len(replicas) - 1,
-                           _router_failed_at=[-math.inf] * len(replicas), _hedges=budget or _HedgeBudget())
+                           _router_failed_at=[-math.inf] * len(replicas), _hedges=budget or HedgeBudget())
 
 
 async def route(gw, attempt: str = ATTEMPT):
     started = time.monotonic()
-    router, decision = await Gateway.func_or_class._route(gw, SimpleNamespace(name="acme"), [1, 2, 3], attempt, [], "openai")
+    router, decision = await Gateway._route(gw, SimpleNamespace(name="acme"), [1, 2, 3], attempt, [], "openai")
     return router, decision, time.monotonic() - started
 
 
@@ -193,7 +191,7 @@ def test_a_request_hedges_once_however_many_replicas_are_slow():
 
 def test_the_hedge_budget_stops_hedging_when_every_replica_is_slow():
     a, b = Replica("a", delay_s=4 * HEDGE_DELAY_S), Replica("b", delay_s=4 * HEDGE_DELAY_S)
-    gw = gateway(a, b, budget=_HedgeBudget(rate=0.25, burst=1.0))
+    gw = gateway(a, b, budget=HedgeBudget(rate=0.25, burst=1.0))
 
     async def scenario():
         for i in range(9):
@@ -206,7 +204,7 @@ def test_the_hedge_budget_stops_hedging_when_every_replica_is_slow():
 
 
 def test_the_hedge_budget_earns_per_request_up_to_its_burst():
-    budget = _HedgeBudget(rate=0.5, burst=2.0)
+    budget = HedgeBudget(rate=0.5, burst=2.0)
     assert budget.spend() and budget.spend() and not budget.spend()
     budget.earn()
     assert not budget.spend()

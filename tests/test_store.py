@@ -190,7 +190,7 @@ def test_cached_content_lifecycle_and_tenant_isolation(url):
         again = await store.create("acme", {"parts": []}, [9], ttl_s=60)
         assert await store.delete("acme", again.id) and await store.get("acme", again.id) is None
         assert await store.list("acme") == [] and not await store.delete("acme", again.id)
-        assert again.public()["usageMetadata"]["totalTokenCount"] == 1
+        assert again.public().usageMetadata.totalTokenCount == 1
 
     run(scenario, url)
 

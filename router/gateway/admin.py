@@ -22,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
+from common.errors import GroupUnhealthyError, remote_cause
+from common.protocol import GroupClient, RouterHandle, SupervisorHandle
 from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
 from router.gateway.store import KeyRing, presented_key
@@ -74,7 +76,7 @@ async def _parse(request: Request, model: type[BaseModel]):
 def _remote_error(exc: BaseException) -> _AdminError:
     if isinstance(exc, (RayActorError, asyncio.TimeoutError)):  # restarting, or not answering: retry later
         return _AdminError(503, f"the cluster did not answer ({type(exc).__name__}); retry shortly")
-    cause = getattr(exc, "cause", None)
+    cause = remote_cause(exc)
     if isinstance(cause, ValueError):
         return _AdminError(400, str(cause))
     return _AdminError(500, f"{type(cause or exc).__name__}: {cause or exc}")
@@ -101,7 +103,8 @@ _GAUGES = [  # (name, help, EngineStats field)
 class Admin:
     """``keys`` holds the admin keys' hashes under the name ``admin`` (``KeyRing.from_config``)."""
 
-    def __init__(self, keys: KeyRing, tenants: list[str], supervisor, routers: list, docs: bool = False) -> None:
+    def __init__(self, keys: KeyRing, tenants: list[str], supervisor: SupervisorHandle, routers: list[RouterHandle],
+                 docs: bool = False) -> None:
         self.keys = keys
         self.tenants = set(tenants)
         self.supervisor, self.routers = supervisor, list(routers)
@@ -179,8 +182,8 @@ class Admin:
             gauge.clear()
         for group, leader in (await self._ask_router("leaders_now")).items():
             try:
-                stats = await asyncio.wait_for(leader.stats.remote(), CALL_TIMEOUT_S)
-            except (RayError, asyncio.TimeoutError):
+                stats = await GroupClient(group, leader).astats(CALL_TIMEOUT_S)
+            except (GroupUnhealthyError, TimeoutError):  # gone, or not answering: no gauges for it
                 continue
             for gauge, field in self.gauges:
                 gauge.labels(group).set(getattr(stats, field))

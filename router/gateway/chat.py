@@ -41,6 +41,21 @@ class ChatPrompt:
     offsets: list[tuple[int, int]]
     content_spans: list[tuple[int, int] | None]
 
+    def find(self, message: int, piece: str, after: int = 0) -> int | None:
+        """Where ``piece`` (text of message ``message``'s content) ends in ``text``: searched from where that
+        content starts (and from ``after``), so equal text earlier cannot match; stripped if the template trims
+        it. None when it is not there."""
+        start = max(after, (self.content_spans[message] or (0, 0))[0])
+        at = self.text.find(piece, start)
+        if at < 0:
+            piece = piece.strip()  # templates that trim content
+            at = self.text.find(piece, start)
+        return None if at < 0 else at + len(piece)
+
+    def tokens_before(self, char_end: int) -> int:
+        """How many of the prompt's tokens end at or before character ``char_end``."""
+        return sum(1 for _, end in self.offsets if end <= char_end)
+
 
 def _apply(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     try:
@@ -67,7 +82,7 @@ def _align(text: str, template: list[str], contents: list[str]) -> list[tuple[in
     return spans if pos + len(template[-1]) == len(text) and text.endswith(template[-1]) else None
 
 
-def render_chat(
+def _render(
     tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
 ) -> tuple[str, list[tuple[int, tuple[int, int]]]]:
     """The chat text of ``messages`` (each with a string ``content``), and (message index, character span) of every
@@ -111,8 +126,8 @@ def _encode(tokenizer, text: str, plain_text: bool) -> tuple[list[int], list[tup
 def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatPrompt:
     """Render ``messages`` with the tokenizer's chat template and tokenise the result so that special tokens come
     only from the template, never from a message's text. Raises ``ChatTemplateError`` when the template refuses the
-    messages."""
-    text, placed = render_chat(tokenizer, messages, add_generation_prompt)
+    messages. The one way any API turns messages into a prompt (the gateway's ``chat``)."""
+    text, placed = _render(tokenizer, messages, add_generation_prompt)
     by_message: list[tuple[int, int] | None] = [None] * len(messages)
     for i, span in placed:
         by_message[i] = by_message[i] or span  # a content the template repeats: its first place

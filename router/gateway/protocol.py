@@ -1,4 +1,5 @@
-"""Request bodies of the three API surfaces (OpenAI, Anthropic, cached contents), as pydantic models.
+"""The wire format of the three API surfaces (OpenAI, Anthropic, cached contents): request bodies and the
+response bodies and stream chunks, as pydantic models.
 
 Every field kvgrid reads is type-checked strictly (no string-to-number or number-to-string coercion, no NaN or
 infinity) and bounded, so a malformed body is answered 400 with the failing field's location, never a crash later
@@ -11,9 +12,20 @@ String message content is normalised to a one-element list of text parts, so the
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from common.config import parse_duration
@@ -235,6 +247,264 @@ class CachedContentRequest(_Body):
 
 class CachedContentPatch(_Body):
     ttl: Annotated[str, Field(min_length=1, max_length=32)]
+
+
+# -- responses --------------------------------------------------------------------------------------------------
+# The bodies and stream chunks the gateway answers with, field for field what the hosted APIs send (the official
+# SDKs parse them). Optional parts that the APIs leave out when absent (a chunk's ``usage``) are left out here too;
+# every other field is always sent, null included.
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def sse(self, event: str | None = None) -> str:
+        """This object as one server-sent event: ``data: {json}``, under ``event: {event}`` when given."""
+        data = f"data: {self.model_dump_json()}\n\n"
+        return data if event is None else f"event: {event}\n{data}"
+
+
+class _OmitNone(_Reply):
+    """A reply whose ``_omit_none`` fields are left out when they are None."""
+
+    _omit_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._omit_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+# OpenAI
+
+
+class OpenAIModel(_Reply):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvgrid"
+
+
+class OpenAIModelList(_Reply):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class PromptTokensDetails(_Reply):
+    cached_tokens: int
+
+
+class OpenAIUsage(_Reply):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> OpenAIUsage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class AssistantMessage(_Reply):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Reply):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionChoice(_Reply):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(_Reply):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: OpenAIUsage
+
+
+class TextCompletion(_Reply):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: OpenAIUsage
+
+
+class ChatDelta(_OmitNone):
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"role"})
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatChunkChoice(_Reply):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None
+
+
+class CompletionChunkChoice(_Reply):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+
+
+class OpenAIChunk(_OmitNone):
+    """One streamed chunk of a chat (``chat.completion.chunk``) or text (``text_completion``) completion; the
+    last one of a stream that asked for usage has no choices and the usage."""
+
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice | CompletionChunkChoice]
+    usage: OpenAIUsage | None = None
+
+
+class OpenAIErrorDetail(_Reply):
+    message: str
+    type: str
+    param: None = None
+    code: int  # the HTTP status
+
+
+class OpenAIError(_Reply):
+    error: OpenAIErrorDetail
+
+
+class OpenAIStreamErrorDetail(_Reply):
+    message: str
+    type: str
+
+
+class OpenAIStreamError(_Reply):
+    """An error that ends a stream already under way (its HTTP status was sent)."""
+
+    error: OpenAIStreamErrorDetail
+
+
+# Anthropic
+
+
+class TextBlock(_Reply):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class AnthropicUsage(_Reply):
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessageReply(_Reply):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicErrorDetail(_Reply):
+    type: str
+    message: str
+
+
+class AnthropicError(_Reply):
+    """An error body, and the error event that ends a stream already under way."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+class MessageStart(_Reply):
+    type: Literal["message_start"] = "message_start"
+    message: AnthropicMessageReply
+
+
+class ContentBlockStart(_Reply):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int = 0
+    content_block: TextBlock
+
+
+class TextDelta(_Reply):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class ContentBlockDelta(_Reply):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int = 0
+    delta: TextDelta
+
+
+class ContentBlockStop(_Reply):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int = 0
+
+
+class StopInfo(_Reply):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(_Reply):
+    type: Literal["message_delta"] = "message_delta"
+    delta: StopInfo
+    usage: AnthropicUsage
+
+
+class MessageStop(_Reply):
+    type: Literal["message_stop"] = "message_stop"
+
+
+AnthropicEvent = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | \
+    MessageStop | AnthropicError  # an error event carries what an error body does
+
+
+def anthropic_event(event: AnthropicEvent) -> str:
+    """A stream event as Anthropic sends it: its ``type`` as the event name, the object as its data."""
+    return event.sse(event.type)
+
+
+# Cached contents (Gemini's shape)
+
+
+class UsageMetadata(_Reply):
+    totalTokenCount: int  # noqa: N815 (the API's own names)
+
+
+class CachedContentReply(_Reply):
+    name: str
+    contents: dict[str, Any]  # what it was created with ({"text": ...})
+    usageMetadata: UsageMetadata  # noqa: N815
+    createTime: str  # noqa: N815
+    expireTime: str  # noqa: N815
+
+
+class CachedContentList(_Reply):
+    cachedContents: list[CachedContentReply]  # noqa: N815
 
 
 MAX_BODY_BYTES = 4 * 2**20

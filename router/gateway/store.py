@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 
 from common.config import ServeConfig
 from common.hashing import token_bytes
+from router.gateway.protocol import CachedContentReply, UsageMetadata
 
 log = logging.getLogger(__name__)
 
@@ -286,15 +287,11 @@ class CachedContent:
     created: float
     expires: float
 
-    def public(self) -> dict:
+    def public(self) -> CachedContentReply:
         """What the API shows (never the tenant's key material or token ids)."""
-        return {
-            "name": self.id,
-            "contents": self.content,
-            "usageMetadata": {"totalTokenCount": len(self.token_ids)},
-            "createTime": _iso(self.created),
-            "expireTime": _iso(self.expires),
-        }
+        return CachedContentReply(name=self.id, contents=self.content,
+                                  usageMetadata=UsageMetadata(totalTokenCount=len(self.token_ids)),
+                                  createTime=_iso(self.created), expireTime=_iso(self.expires))
 
 
 def _iso(t: float) -> str:

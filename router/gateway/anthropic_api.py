@@ -1,0 +1,185 @@
+"""The Anthropic-compatible Messages API of every tenant: ``/{tenant}/v1/messages``, whole or streamed (its event
+stream), with ``cache_control`` breakpoints: the prompt up to each marked block is pinned on its group for the
+block's TTL, and usage reports what was read from the cache and what was written to it. Its bodies are the
+models of router/gateway/protocol.py; admission, routing and accounting are the ``Gateway``'s
+(router/gateway/core.py)."""
+
+# No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from common.outputs import RequestOutput
+from router.gateway.chat import ChatPrompt
+from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
+from router.gateway.protocol import (
+    AnthropicError,
+    AnthropicErrorDetail,
+    AnthropicMessageReply,
+    AnthropicUsage,
+    CacheControl,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    MessageDelta,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    StopInfo,
+    TextBlock,
+    TextDelta,
+    anthropic_event,
+)
+from router.gateway.routes import Routes
+
+API = "anthropic"
+MAX_BREAKPOINTS = 4
+MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
+
+routes = Routes()  # bound to one AnthropicApi by create_app
+
+
+def _stop_reason(out: RequestOutput) -> str:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if isinstance(out.stop_reason, str) else "end_turn"
+
+
+def _stop_sequence(out: RequestOutput) -> str | None:
+    return out.stop_reason if isinstance(out.stop_reason, str) else None
+
+
+class AnthropicApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    @routes.post("/{tenant}/v1/messages")
+    async def messages(self, tenant: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        return await self.gw.held(t, API, self._messages(t, request))
+
+    async def _messages(self, t: Tenant, request: Request):
+        gw = self.gw
+        body: MessagesRequest = await gw.body(request, MessagesRequest, API)
+        gw.check_model(body.model, API)
+        prefix, cc_ttl = await gw.cached_prefix(t, body.cached_content, API)
+        chat, marks = self._prompt(t, body)
+        prompt = prefix + chat.token_ids
+        await gw.admit(t, prompt, body.max_tokens, API)
+        # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
+        bs = gw.config.block_size
+        ttl_at: dict[int, float] = {}
+        for char_end, ttl in marks:
+            pos = (len(prefix) + chat.tokens_before(char_end)) // bs * bs
+            if pos > 0:
+                ttl_at[pos] = max(ttl, ttl_at.get(pos, 0.0))
+        pin_tokens = max(ttl_at, default=len(prefix))
+        pin_ttl = max(ttl_at.values(), default=cc_ttl or t.config.cache.default_ttl)
+        entries = {pos: gw.entries.entry_key(t.name, prompt[:pos]) for pos in ttl_at}
+        # What the entries claim is read: the longest marked prefix whose entry lives (cached content is pinned
+        # already). The usage caps it by what the group actually reused; the rest of the marked prefix is a write.
+        claim_read = len(prefix) // bs * bs
+        alive = await asyncio.gather(*(gw.entries.ttl_left(t.name, key) for key in entries.values()))
+        for pos, left in sorted(zip(entries, alive), reverse=True):
+            if pos > claim_read and left is not None:
+                claim_read = pos
+                break
+        claim_write = max(0, pin_tokens - claim_read) if entries else 0
+        params = gw.params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None, API, body.top_k)
+
+        def account(out: RequestOutput, predicted: int) -> None:
+            usage = self._usage(t, out, claim_write, claim_read)
+            r, w = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
+            gw.account(t, out, predicted, r, w, r)
+            if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
+                for pos, key in entries.items():
+                    gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos]))
+
+        run = gw.generate(t, prompt, params, API, pin_tokens, pin_ttl, account, not body.stream)
+        run = watched(request, run, API)
+        mid = "msg_" + secrets.token_hex(12)
+        if body.stream:
+            run = await primed(run)
+            return SlotStream(self._stream(t, run, mid, claim_write, claim_read))
+        out, _ = await last(run)
+        return self._reply(mid, [TextBlock(text=out.text)], _stop_reason(out), _stop_sequence(out),
+                           self._usage(t, out, claim_write, claim_read))
+
+    def _reply(self, mid: str, content: list[TextBlock], stop_reason: str | None, stop_sequence: str | None,
+               usage: AnthropicUsage) -> AnthropicMessageReply:
+        return AnthropicMessageReply(id=mid, model=self.gw.model_id, content=content, stop_reason=stop_reason,
+                                     stop_sequence=stop_sequence, usage=usage)
+
+    def _prompt(self, t: Tenant, body: MessagesRequest) -> tuple[ChatPrompt, list[tuple[int, float]]]:
+        """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint."""
+        marked: list[tuple[int, str, float]] = []  # (message index, text, ttl)
+
+        def ttl(cc: CacheControl) -> float:
+            return self.gw.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, "cache_control.ttl", API)
+
+        system_parts: list[str] = []
+        for tool in body.tools or []:
+            spec = json.dumps({"name": tool.name, "description": tool.description, "input_schema": tool.input_schema})
+            system_parts.append(spec)
+            if tool.cache_control:
+                marked.append((0, spec, ttl(tool.cache_control)))
+        for b in body.system or []:
+            system_parts.append(b.text or "")
+            if b.cache_control:
+                marked.append((0, b.text or "", ttl(b.cache_control)))
+        messages = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
+        for m in body.messages:
+            parts = m.content
+            idx = len(messages)
+            messages.append({"role": m.role, "content": "".join(b.text or "" for b in parts)})
+            marked.extend((idx, b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
+        if len(marked) > MAX_BREAKPOINTS:
+            raise err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", API)
+        chat = self.gw.chat(messages, API)
+        marks, pos = [], 0
+        for idx, piece, seconds in marked:
+            end = chat.find(idx, piece, after=pos)
+            if end is None:
+                raise err(400, "a cache_control block could not be located in the prompt", API)
+            pos = end
+            marks.append((pos, seconds))
+        return chat, marks
+
+    def _usage(self, t: Tenant, out: RequestOutput, claim_write: int, claim_read: int) -> AnthropicUsage:
+        """Usage as the group saw it: a read is at most what the group actually reused (an entry that outlived
+        its blocks, e.g. after a group restart, reads nothing); what of the marked prefix was not read is a
+        write, as far as the group could pin it."""
+        n_prompt = len(out.prompt_token_ids)
+        if not claim_write and not claim_read:  # no breakpoint: implicit reuse, reported per the tenant's policy
+            read, write = self.gw.reported_cached(t, out.num_cached_tokens), 0
+        else:
+            read = min(claim_read, out.num_cached_tokens)
+            write = min(claim_read + claim_write - read, max(0, out.num_pinned_tokens - read))
+            read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
+        return AnthropicUsage(input_tokens=n_prompt - write - read, cache_creation_input_tokens=write,
+                              cache_read_input_tokens=read, output_tokens=len(out.token_ids))
+
+    async def _stream(self, t: Tenant, run: Run, mid: str, claim_write: int, claim_read: int) -> AsyncIterator[str]:
+        try:
+            first = True
+            out = None
+            async for out, _ in run:
+                if first:  # the group has prefilled: its reuse is known
+                    usage = self._usage(t, out, claim_write, claim_read).model_copy(update={"output_tokens": 0})
+                    yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
+                    yield anthropic_event(ContentBlockStart(content_block=TextBlock(text="")))
+                    first = False
+                if out.delta_text:
+                    yield anthropic_event(ContentBlockDelta(delta=TextDelta(text=out.delta_text)))
+            if out is not None:
+                yield anthropic_event(ContentBlockStop())
+                yield anthropic_event(MessageDelta(
+                    delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
+                    usage=self._usage(t, out, claim_write, claim_read)))
+                yield anthropic_event(MessageStop())
+        except ApiError as exc:
+            yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))

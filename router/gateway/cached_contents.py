@@ -1,0 +1,112 @@
+"""Cached content objects of every tenant (Gemini's shape), under ``/{tenant}/v1/cachedContents``: a text
+computed and pinned on a worker group once (billed like a request), listed, read, given a new lifetime, deleted,
+and used as the prefix of any request that names it in ``cached_content``. Stored in Redis
+(``CachedContentStore``); errors in the OpenAI format. Admission, routing and accounting are the ``Gateway``'s
+(router/gateway/core.py)."""
+
+# No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from common.sampling import SamplingParams
+from router.gateway.core import Gateway, Tenant, err, last, no_account, watched
+from router.gateway.protocol import CachedContentList, CachedContentPatch, CachedContentRequest
+from router.gateway.routes import Routes
+from router.gateway.store import LimitExceeded
+
+API = "openai"  # the format of the errors
+MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
+LIMIT_RETRY_AFTER_S = 60.0  # a tenant at its number or size of cached contents
+
+routes = Routes()  # bound to one CachedContentsApi by create_app
+
+
+class CachedContentsApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def _pin(self, t: Tenant, tokens: list[int], ttl: float, request: Request) -> None:
+        """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
+        tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client
+        leaves."""
+        gw = self.gw
+        run = gw.generate(t, tokens, SamplingParams(max_tokens=1, temperature=0.0), API, len(tokens), ttl, no_account,
+                          True)
+        out, predicted = await last(watched(request, run, API))
+        read = min(out.num_cached_tokens, len(tokens))
+        gw.account(t, out, predicted, read, write=len(tokens) - read, read=read)
+
+    def _ttl(self, t: Tenant, ttl: str | None) -> float:
+        return self.gw.ttl(ttl, t.config.cache.default_ttl, MAX_CACHED_CONTENT_TTL_S, "ttl", API)
+
+    @routes.post("/{tenant}/v1/cachedContents")
+    async def create_cached_content(self, tenant: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        return await self.gw.held(t, API, self._create(t, request))
+
+    async def _create(self, t: Tenant, request: Request):
+        gw = self.gw
+        body: CachedContentRequest = await gw.body(request, CachedContentRequest, API)
+        if body.model is not None:
+            gw.check_model(body.model.removeprefix("models/"), API)
+        text = body.text
+        if not text:
+            raise err(400, "contents: a cached content needs some text", API)
+        ttl = self._ttl(t, body.ttl)
+        tokens = gw.chat([{"role": "system", "content": text}], API, generation=False).token_ids
+        await gw.admit(t, tokens, 1, API)
+        limit = t.config.cache.max_pinned_tokens
+        if limit is not None and len(tokens) > limit:
+            raise err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", API)
+        store = gw.contents[t.name]
+        try:  # stored first: the tenant's limits refuse it before any compute is spent
+            cc = await store.create(t.name, {"text": text}, tokens, ttl)
+        except LimitExceeded as exc:
+            raise err(429, str(exc), API, LIMIT_RETRY_AFTER_S) from None
+        try:
+            await self._pin(t, tokens, ttl, request)  # computed and pinned now, so the first use is a read
+        except BaseException:
+            gw.spawn(store.delete(t.name, cc.id))
+            raise
+        return cc.public()
+
+    @routes.get("/{tenant}/v1/cachedContents")
+    async def list_cached_contents(self, tenant: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        return CachedContentList(cachedContents=[c.public() for c in await self.gw.contents[t.name].list(t.name)])
+
+    @routes.get("/{tenant}/v1/cachedContents/{cid}")
+    async def get_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        cc = await self.gw.contents[t.name].get(t.name, f"cachedContents/{cid}")
+        if cc is None:
+            raise err(404, f"cached content {cid!r} not found", API)
+        return cc.public()
+
+    @routes.patch("/{tenant}/v1/cachedContents/{cid}")
+    async def patch_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        return await self.gw.held(t, API, self._patch(t, cid, request))
+
+    async def _patch(self, t: Tenant, cid: str, request: Request):
+        gw = self.gw
+        body: CachedContentPatch = await gw.body(request, CachedContentPatch, API)
+        ttl = self._ttl(t, body.ttl)
+        store = gw.contents[t.name]
+        cc = await store.get(t.name, f"cachedContents/{cid}")
+        if cc is None:
+            raise err(404, f"cached content {cid!r} not found", API)
+        await gw.admit(t, cc.token_ids, 1, API)  # a re-pin costs what computing the content costs
+        await self._pin(t, cc.token_ids, ttl, request)  # pinned for the new lifetime before it is promised
+        cc = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
+        if cc is None:  # deleted meanwhile
+            raise err(404, f"cached content {cid!r} not found", API)
+        return cc.public()
+
+    @routes.delete("/{tenant}/v1/cachedContents/{cid}")
+    async def delete_cached_content(self, tenant: str, cid: str, request: Request):
+        t = self.gw.auth(tenant, request, API)
+        if not await self.gw.contents[t.name].delete(t.name, f"cachedContents/{cid}"):
+            raise err(404, f"cached content {cid!r} not found", API)
+        return JSONResponse({})

@@ -1,0 +1,642 @@
+"""What the gateway's three APIs share (router/gateway/openai_api.py, anthropic_api.py, cached_contents.py): the
+``Gateway`` of one replica, which authenticates a tenant's key (in memory), reads and checks request bodies,
+applies the tenant's limits (in-flight places, rate, prompt size), turns messages into a prompt (the chat
+template, router/gateway/chat.py), asks a router replica for a worker group (hedged), streams the group's outputs
+through its ``GroupClient`` (retrying a failed group elsewhere) and records usage. The tenant's own metrics
+endpoint and the docs are here too; router/gateway/app.py builds the ASGI app from it all.
+
+Errors are raised as ``ApiError``, which each API answers in its own format."""
+
+# No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import BaseModel
+from ray.exceptions import RayActorError, RayError
+
+from common.config import ServeConfig, TenantConfig
+from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, remote_cause
+from common.model_config import ModelConfig, load_tokenizer
+from common.outputs import RequestOutput
+from common.protocol import GroupClient, RouterHandle, Submit
+from common.sampling import SamplingParams
+from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
+from router.gateway.protocol import (
+    MAX_BODY_BYTES,
+    AnthropicError,
+    AnthropicErrorDetail,
+    BodyError,
+    OpenAIError,
+    OpenAIErrorDetail,
+    parse_body,
+    ttl_seconds,
+)
+from router.gateway.routes import Routes
+from router.gateway.store import (
+    CachedContentStore,
+    EntryStore,
+    KeyRing,
+    RateLimiter,
+    StoreUnavailable,
+    UsageLedger,
+    connect,
+    presented_key,
+)
+from router.routing.router import NoGroup, Overloaded, RouteDecision
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP_RETRIES = 2  # other groups tried after a group fails under a request
+# A router replica that takes longer is skipped (it routes in about a millisecond; a killed one that Ray is
+# restarting holds calls until it is back, seconds later)...
+ROUTE_TIMEOUT_S = 0.5
+LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
+HEDGE_DELAY_S = 0.05  # a replica routes in about a millisecond: one silent for longer is not waited on alone
+# Hedges per routed request over time (and the most saved up): when every replica is slow, hedging every request
+# would double the routing load on replicas already behind; past the budget a request waits for its timeout.
+HEDGE_BUDGET = 0.1
+HEDGE_BURST = 10.0
+ROUTER_COOLDOWN_S = 10.0  # a replica that failed is tried last for this long (Ray restarts it meanwhile)
+GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gateway ask its group's health
+HEALTH_TIMEOUT_S = 10.0
+ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
+STORE_RETRY_AFTER_S = 2.0
+
+routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
+
+T = TypeVar("T")
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+
+class GroupFailed(Exception):
+    """The worker group running a request failed (died, lost a rank, or went silent): retried elsewhere."""
+
+
+class ApiError(Exception):
+    """An error answered in the calling API's own format (``api``: "openai" or "anthropic")."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", api: str = "openai",
+                 retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.api = status, message, kind, api
+        self.retry_after = retry_after
+
+    def body(self) -> BaseModel:
+        if self.api == "anthropic":
+            return AnthropicError(error=AnthropicErrorDetail(type=self.kind, message=self.message))
+        return OpenAIError(error=OpenAIErrorDetail(message=self.message, type=self.kind, code=self.status))
+
+    def response(self) -> Response:
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.status in (429, 503) else None
+        return Response(self.body().model_dump_json(), status_code=self.status, headers=headers,
+                        media_type="application/json")
+
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def err(status: int, message: str, api: str, retry_after: float = 1.0) -> ApiError:
+    """The error of ``status`` in ``api``'s wording (its error type for the status)."""
+    kind = _KINDS.get(status, "api_error")
+    if api == "openai" and status == 401:
+        kind = "invalid_request_error"
+    return ApiError(status, message, kind, api, retry_after)
+
+
+async def api_error(_: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
+    """Redis is down or slow: what needs it answers a retryable 503 at once instead of waiting (in the format
+    of the API that ``Gateway.auth`` admitted the request to)."""
+    api = getattr(request.state, "api", "openai")
+    return err(503, "the service's state store is unavailable; retry shortly", api, STORE_RETRY_AFTER_S).response()
+
+
+def group_failure(exc: Exception, group: str, api: str) -> Exception:
+    """What a failed output of a group means: a bad request (400), an abort (503), the group itself failing (a
+    retry elsewhere), or an error of this one request (500; the group keeps serving everyone else)."""
+    if isinstance(exc, ValueError):
+        return err(400, str(exc), api)
+    if isinstance(exc, RequestAborted):
+        return err(503, "the request was aborted on its worker group; retry it", api)
+    if isinstance(exc, RequestFailed):  # the engine failed this request alone; its group keeps serving
+        return ApiError(500, f"the request failed on worker group {group} ({exc}); the service keeps serving, "
+                        "retry it or change its parameters", "api_error", api)
+    if isinstance(exc, GroupUnhealthyError):
+        return GroupFailed(f"{type(exc).__name__}: {exc}")
+    return ApiError(500, f"internal error in worker group {group} ({type(exc).__name__})", "api_error", api)
+
+
+# -- a tenant in this replica ----------------------------------------------------------------------------------
+
+
+class _Metrics:
+    def __init__(self, tenant: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["tenant"]
+        self.requests = Counter("kvgrid_requests", "Requests served", lbl, registry=r)
+        self.prompt = Counter("kvgrid_prompt_tokens", "Prompt tokens", lbl, registry=r)
+        self.cached = Counter("kvgrid_cached_tokens", "Prompt tokens served from the prefix cache", lbl, registry=r)
+        self.output = Counter("kvgrid_output_tokens", "Output tokens", lbl, registry=r)
+        self.hit_rate = Gauge("kvgrid_prefix_hit_rate", "Cached / prompt tokens so far", lbl, registry=r)
+        self.predicted = Counter("kvgrid_router_predicted_cached_tokens", "Cached tokens the router expected", lbl,
+                                 registry=r)
+        self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl,
+                              registry=r)
+        self.tenant = tenant
+        self._prompt_total = self._cached_total = 0
+
+    def record(self, prompt: int, cached: int, output: int, predicted: int, actual: int) -> None:
+        """``cached``: the reuse reported to the client (the tenant's policy); ``actual``: what the group reused,
+        against which the router's ``predicted`` is judged."""
+        t = self.tenant
+        self.requests.labels(t).inc()
+        self.prompt.labels(t).inc(prompt)
+        self.cached.labels(t).inc(cached)
+        self.output.labels(t).inc(output)
+        self.predicted.labels(t).inc(predicted)
+        self.actual.labels(t).inc(actual)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
+
+
+class Tenant:
+    """One tenant's state in this replica: its config, rate limiter, metrics and in-flight count."""
+
+    def __init__(self, config: TenantConfig, limiter: RateLimiter) -> None:
+        self.name, self.config = config.name, config
+        self.limiter = limiter
+        self.metrics = _Metrics(config.name)
+        self.inflight = 0
+
+
+class _Slot:
+    """One of a tenant's in-flight places in this replica; released exactly once."""
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant, self.held = tenant, True
+        tenant.inflight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.tenant.inflight -= 1
+
+
+class SlotStream(StreamingResponse):
+    """A streamed answer (server-sent events) that holds its request's in-flight slot until the stream ends,
+    however it ends."""
+
+    slot: _Slot | None = None
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.slot is not None:
+                self.slot.release()
+
+
+# -- a request's outputs ---------------------------------------------------------------------------------------
+
+Run = AsyncIterator[tuple[RequestOutput, int]]  # a request's outputs, each with the tokens the router expected cached
+Account = Callable[[RequestOutput, int], None]  # records a request's usage from its last output once it ended
+
+
+def no_account(out: RequestOutput, predicted: int) -> None:
+    """Internal requests (computing cached content) are recorded by their callers."""
+
+
+async def primed(run: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Start ``run`` now (so its first error surfaces before a response is sent) and return an equivalent."""
+    first = await run.__anext__()
+
+    async def rest():
+        try:
+            yield first
+            async for item in run:
+                yield item
+        finally:  # a stream cut short stops ``run`` now, not when the collector gets to it
+            await run.aclose()
+
+    return rest()
+
+
+async def last(run: Run) -> tuple[RequestOutput, int]:
+    out = None
+    async for out in run:
+        pass
+    assert out is not None
+    return out
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has disconnected (the body was read already: the next message is the
+    disconnect)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the connection state cannot be read: never cut a request on that
+        await asyncio.Event().wait()
+
+
+async def watched(request: Request, run: AsyncIterator[T], api: str) -> AsyncIterator[T]:
+    """``run``'s items until the client disconnects; then ``run`` is stopped (its group request aborted) and a
+    499 raised, whatever headers the client sent."""
+    gone = asyncio.ensure_future(_client_gone(request))
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(run.__anext__())
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise err(499, "the client closed the request", api)
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        gone.cancel()
+        if step is not None and not step.done():
+            step.cancel()  # runs ``run``'s own cleanup (abort on the group, usage) inside the step
+            await asyncio.wait({step})
+        await run.aclose()
+
+
+class HedgeBudget:
+    """A token bucket of hedges: every request routed earns ``rate`` of one (up to ``burst``), a hedge spends
+    one. A replica slow now and then is hedged every time; all of them slow at once, only a few requests are."""
+
+    def __init__(self, rate: float = HEDGE_BUDGET, burst: float = HEDGE_BURST) -> None:
+        self.rate, self.burst, self.tokens = rate, burst, burst
+
+    def earn(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.rate)
+
+    def spend(self) -> bool:
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+async def _bounded(awaitable, timeout_s: float):
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
+async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncIterator[RequestOutput]:
+    """A group's outputs for one request, its errors as the gateway answers them. A request may wait in a busy
+    group's queue for long, so silence alone is no failure: every ``GROUP_SILENCE_S`` without output the leader
+    is asked whether the group is healthy (a hung step fails it after ``step_timeout_s``); a group that is
+    unhealthy or does not answer has failed."""
+
+    async def silent() -> None:
+        try:
+            reason = await client.ahealth(HEALTH_TIMEOUT_S)
+        except (GroupUnhealthyError, TimeoutError) as exc:
+            reason = (f"no output for {GROUP_SILENCE_S:.0f} s and no health answer "
+                      f"({type(exc.__cause__ or exc).__name__})")
+        if reason is not None:
+            raise GroupFailed(reason)
+
+    stream = client.astream(req, silent, GROUP_SILENCE_S)
+    try:
+        async for out in stream:
+            yield out
+    except GroupFailed:
+        raise
+    except Exception as exc:
+        raise group_failure(exc, client.group, api) from None
+    finally:  # a consumer that stops early aborts the request now, not when the stream is collected
+        await stream.aclose()
+
+
+# -- the gateway -----------------------------------------------------------------------------------------------
+
+
+class Gateway:
+    """One gateway replica's state and what every API does with it; ``config`` carries no API keys (``keys``
+    holds their hashes). ``routers``: the RouterService replicas; each request stays with the one that routed
+    it."""
+
+    def __init__(self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list[RouterHandle],
+                 redis_url: str) -> None:
+        self.config = config
+        self.model_id = config.model_id
+        self.keys = keys
+        self.tokenizer = load_tokenizer(model_path)
+        mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.routers = list(routers)
+        self._next_router = secrets.randbelow(len(self.routers))
+        self._router_failed_at = [-math.inf] * len(self.routers)
+        self._hedges = HedgeBudget()
+        self.redis = connect(redis_url, config.redis_timeout_s)
+        self.ledger = UsageLedger(self.redis)
+        self.entries = EntryStore(self.redis)
+        self.contents = {t.name: CachedContentStore(self.redis, t.limits.max_cached_contents,
+                                                    t.limits.max_cached_content_tokens) for t in config.tenants}
+        self.tenants = {t.name: Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
+                        for t in config.tenants}
+        self._background: set[asyncio.Task] = set()
+        self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
+
+    async def close(self) -> None:
+        """When the replica stops, on the loop that served it: write the usage still buffered (Redis permitting)."""
+        try:
+            await self.ledger.close()
+        except StoreUnavailable:
+            log.warning("usage not yet written to Redis was lost at shutdown")
+
+    # -- admission ---------------------------------------------------------------------------------------------
+
+    def auth(self, tenant: str, request: Request, api: str) -> Tenant:
+        """The tenant, if the request carries one of its keys (``presented_key``). An unknown tenant gets the very
+        same 401 as a wrong key, so tenant names cannot be probed. Every route calls this first: the request's
+        errors from here on are in ``api``'s format."""
+        request.state.api = api
+        t = self.tenants.get(tenant)
+        ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: no timing difference
+        if t is None or not ok:
+            raise err(401, "invalid API key for this tenant", api)
+        return t
+
+    async def body(self, request: Request, model: type[BaseModel], api: str) -> Any:
+        try:
+            return await parse_body(request, model, MAX_BODY_BYTES)
+        except BodyError as exc:
+            raise err(exc.status, exc.message, api) from None
+
+    async def held(self, t: Tenant, api: str, work: Coroutine[Any, Any, T]) -> T:
+        """Run the coroutine ``work`` in one of the tenant's in-flight places in this replica (429 when all are
+        taken); a streamed answer (``SlotStream``) keeps the place until its stream ends."""
+        limit = t.config.limits.max_inflight_requests
+        if t.inflight >= limit:
+            work.close()
+            raise err(429, f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
+                      "when one has finished", api)
+        slot = _Slot(t)
+        try:
+            result = await work
+            if isinstance(result, SlotStream):
+                result.slot, slot = slot, None
+            return result
+        finally:
+            if slot is not None:
+                slot.release()
+
+    def check_model(self, model: str, api: str) -> None:
+        if model != self.model_id:
+            raise err(404, f"model {model!r} does not exist; this gateway serves {self.model_id!r}", api)
+
+    def ttl(self, value: str | None, default: float, longest: float, field: str, api: str) -> float:
+        """A TTL the request gives in ``field`` (``ttl_seconds``), its error in ``api``'s format."""
+        try:
+            return ttl_seconds(value, default, longest, field)
+        except BodyError as exc:
+            raise err(exc.status, exc.message, api) from None
+
+    async def admit(self, t: Tenant, prompt: list[int], max_tokens: int, api: str) -> None:
+        """Check the prompt's length and the tenant's limits before any work is done for it."""
+        if not prompt:
+            raise err(400, "the prompt is empty", api)
+        if len(prompt) >= self.max_model_len:
+            raise err(413, f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len}", api)
+        lim = t.config.limits
+        if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
+            raise err(413, f"the prompt has {len(prompt)} tokens; this tenant may send {lim.max_prompt_tokens}", api)
+        if lim.tokens_per_min is not None and len(prompt) + max_tokens > lim.tokens_per_min:
+            raise err(413, f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
+                      f"{lim.tokens_per_min} tokens per minute", api)
+        retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
+        if retry_after is not None:
+            raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+
+    # -- prompts and parameters --------------------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[dict[str, str]], api: str, generation: bool = True) -> ChatPrompt:
+        """The chat template applied to ``messages`` (every API's one way to a chat prompt); their texts never
+        become special tokens (router/gateway/chat.py)."""
+        try:
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
+        except ChatTemplateError as exc:
+            raise err(400, f"messages: {exc}", api) from None
+
+    async def cached_prefix(self, t: Tenant, cid: str | None, api: str) -> tuple[list[int], float]:
+        """Token ids and remaining TTL of a referenced cached content object."""
+        if cid is None:
+            return [], 0.0
+        name = cid if cid.startswith("cachedContents/") else f"cachedContents/{cid}"
+        cc = await self.contents[t.name].get(t.name, name)
+        if cc is None:
+            raise err(404, f"cached content {cid!r} not found", api)
+        return cc.token_ids, max(1.0, cc.expires - time.time())
+
+    def params(self, max_tokens: int, temperature: float, top_p: float, stop: list[str] | None, seed: int | None,
+               api: str, top_k: int = 0, ignore_eos: bool = False) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                stop=stop or [], seed=seed, ignore_eos=ignore_eos,
+            )
+        except ValueError as exc:
+            raise err(400, str(exc), api) from None
+
+    # -- routing and running -----------------------------------------------------------------------------------
+
+    async def _route(self, t: Tenant, prompt: list[int], attempt: str, failed: list[str],
+                     api: str) -> tuple[RouterHandle, RouteDecision]:
+        """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
+        not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
+        request, within ``HEDGE_BUDGET``), and the first decision wins; every other replica asked cancels the
+        route (it may have made it too: its load, predictions and recent prefill are undone), so no replica
+        counts the request but the one that serves it. A dead, restarting or stuck replica is skipped, and so is
+        one that knows no group yet (just restarted: the supervisor hands it the groups within a second). 503
+        when none routes it (a retry a moment later works)."""
+        n = len(self.routers)
+        self._next_router = (self._next_router + 1) % n
+        self._hedges.earn()
+        now = time.monotonic()
+        order = sorted(((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
+                       key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S)
+        pending: dict[asyncio.Future, int] = {}  # call -> position in ``order``
+        asked = 0  # replicas asked so far: order[:asked]
+        hedged = False
+        no_group: str | None = None
+        won: int | None = None
+
+        def ask() -> None:
+            nonlocal asked
+            timeout_s = ROUTE_TIMEOUT_S if asked < n - 1 else LAST_ROUTE_TIMEOUT_S
+            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed)
+            pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
+            asked += 1
+
+        ask()
+        try:
+            while pending:
+                hedge = HEDGE_DELAY_S if asked < n and not hedged else None
+                done, _ = await asyncio.wait(pending, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    hedged = True  # the replicas asked so far are slow: ask the next one too, budget permitting
+                    if self._hedges.spend():  # (else their timeouts hand over)
+                        ask()
+                    continue
+                decided = [call for call in done if call.exception() is None]
+                if decided:  # a decision wins over whatever else came back with it (a 429 too)
+                    winner = min(decided, key=pending.__getitem__)  # of those, the replica asked first
+                    won = pending[winner]
+                    for call in done:
+                        k = pending.pop(call)
+                        if call is not winner:  # it answered: not slow, but it may have routed the request too
+                            self.routers[order[k]].cancel_route.remote(attempt)
+                    return self.routers[order[won]], winner.result()
+                for call in done:
+                    j = order[pending.pop(call)]
+                    try:
+                        call.result()
+                    except (RayActorError, asyncio.TimeoutError):
+                        self._router_failed_at[j] = time.monotonic()
+                        self.routers[j].cancel_route.remote(attempt)  # in case it did route it
+                    except RayError as exc:
+                        cause = remote_cause(exc)
+                        if isinstance(cause, Overloaded):
+                            raise err(429, f"overloaded: {cause}; retry shortly", api) from None
+                        no_group = str(cause) if isinstance(cause, NoGroup) else type(exc).__name__
+                if asked < n:
+                    ask()  # what came back were failures: the next replica, without waiting
+        finally:
+            # The others asked (all of them when the client left or no decision came): they may have routed the
+            # request, so they cancel it. One asked before the winner and still silent is slow or dead (a killed
+            # replica holds calls until Ray has restarted it): it is tried last for a while.
+            for call, k in pending.items():
+                call.cancel()
+                call.add_done_callback(lambda c: c.cancelled() or c.exception())  # its late failure is expected
+                self.routers[order[k]].cancel_route.remote(attempt)
+                if won is not None and k < won:
+                    self._router_failed_at[order[k]] = time.monotonic()
+        if no_group is not None:
+            raise err(503, f"no worker group available ({no_group}); retry shortly", api)
+        raise err(503, "no router replica is available; retry shortly", api, ROUTER_RETRY_AFTER_S)
+
+    def _client(self, decision: RouteDecision) -> GroupClient:
+        """The client of the decision's group, whose one subscription per replica carries the deltas of all its
+        requests there, once per step (a new client for a restarted group's new leader)."""
+        client = self._clients.get(decision.group)
+        if client is None or client.leader != decision.leader:
+            client = self._clients[decision.group] = GroupClient(decision.group, decision.leader)
+        return client
+
+    async def generate(self, t: Tenant, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int,
+                       pin_ttl_s: float, account: Account, restartable: bool = False) -> Run:
+        """Route and run one request; yields (output, tokens the router expected cached). However it ends
+        (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
+        once, and an unfinished request is aborted on its group (by its ``GroupClient`` stream).
+
+        A group that fails (or is silent and unhealthy, see ``_outputs``) is reported to the routers (which route
+        nothing more to it) and the request is retried on another group, as long as nothing has been yielded
+        yet, or at any point when ``restartable`` (the caller keeps only the last output). A request the
+        engine failed alone answers 500; its group keeps serving."""
+        failed: list[str] = []
+        rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
+        while True:
+            attempt = f"{rid}-{len(failed)}"
+            router = decision = out = None
+            yielded = finished = False
+            try:
+                router, decision = await self._route(t, prompt, attempt, failed, api)
+                req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
+                async for out in _outputs(self._client(decision), req, api):
+                    if not finished and len(out.token_ids) == len(out.new_token_ids):
+                        router.on_prefill_done.remote(attempt)
+                    finished = out.finished
+                    yielded = True
+                    yield out, decision.cached_tokens
+                    if finished:
+                        break
+                return
+            except GroupFailed as exc:
+                for r in self.routers:  # no replica should send more requests there
+                    r.report_failure.remote(decision.group, str(exc))
+                failed.append(decision.group)
+                if (yielded and not restartable) or len(failed) > MAX_GROUP_RETRIES:
+                    raise err(503, f"worker group {decision.group} failed during the request; retry it",
+                              api) from None
+                out = None  # nothing of the failed attempt is billed: the retry starts over
+            finally:
+                if router is not None:
+                    router.on_finish.remote(attempt)  # also when the client left during routing
+                if out is not None:
+                    account(out, decision.cached_tokens)
+
+    # -- accounting --------------------------------------------------------------------------------------------
+
+    def reported_cached(self, t: Tenant, num_cached: int) -> int:
+        """Implicit tenants see reuse from ``min_prefix_tokens`` up; explicit tenants see all of it."""
+        c = t.config.cache
+        return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
+
+    def account(self, t: Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0,
+                read: int = 0) -> None:
+        n_prompt = len(out.prompt_token_ids)
+        self.ledger.record(
+            t.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
+            output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
+        )
+        t.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a best-effort Redis write in the background (its failure is logged, never the request's)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("gateway background write failed: %s", task.exception())
+
+    # -- documentation (``http.docs``) and a tenant's metrics --------------------------------------------------
+
+    @routes.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        if not self.config.http.docs:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse(request.app.openapi())
+
+    @routes.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        if not self.config.http.docs:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvgrid gateway")
+
+    @routes.get("/{tenant}/metrics")
+    async def metrics(self, tenant: str, request: Request):
+        """This tenant's own counters only: worker-group load moves with every tenant's traffic, so it is on the
+        admin API (``/admin/v1/metrics``), never here."""
+        t = self.auth(tenant, request, "openai")
+        return Response(generate_latest(t.metrics.registry), media_type=CONTENT_TYPE_LATEST)
