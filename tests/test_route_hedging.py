@@ -128,18 +128,17 @@ def test_a_decision_wins_over_an_overload_that_came_back_with_it():
         gate = asyncio.Event()
         busy = Replica("busy", error=RouterError(Overloaded("full")), gate=gate)
         able = Replica("able", gate=gate)
-        gw = gateway(busy, able)
+        asyncio.run(_decision_and_overload(gateway(busy, able), gate, busy, able))
 
-        async def scenario():
-            task = asyncio.ensure_future(route(gw))
-            await asyncio.sleep(HEDGE_DELAY_S + 0.05)  # both asked
-            gate.set()  # both answer in the same loop iteration
-            router, decision, _ = await task
-            assert router is able and decision.group == "group-of-able"
-            assert busy.forgot == [ATTEMPT] and able.forgot == []
-            assert gw._router_failed_at == [-math.inf, -math.inf]  # it answered: not slow
 
-        asyncio.run(scenario())
+async def _decision_and_overload(gw, gate: asyncio.Event, busy: Replica, able: Replica) -> None:
+    task = asyncio.ensure_future(route(gw))
+    await asyncio.sleep(HEDGE_DELAY_S + 0.05)  # both asked
+    gate.set()  # both answer in the same loop iteration
+    router, decision, _ = await task
+    assert router is able and decision.group == "group-of-able"
+    assert busy.forgot == [ATTEMPT] and able.forgot == []
+    assert gw._router_failed_at == [-math.inf, -math.inf]  # it answered: not slow
 
 
 def test_a_replica_that_answered_with_the_winner_is_not_taken_for_slow():
@@ -147,17 +146,16 @@ def test_a_replica_that_answered_with_the_winner_is_not_taken_for_slow():
         gate = asyncio.Event()
         empty = Replica("empty", error=RouterError(NoGroup("none yet")), gate=gate)
         able = Replica("able", gate=gate)
-        gw = gateway(empty, able)
+        asyncio.run(_answered_with_the_winner(gateway(empty, able), gate, empty, able))
 
-        async def scenario():
-            task = asyncio.ensure_future(route(gw))
-            await asyncio.sleep(HEDGE_DELAY_S + 0.05)
-            gate.set()
-            router, _, _ = await task
-            assert router is able and gw._router_failed_at == [-math.inf, -math.inf]
-            assert empty.forgot == [ATTEMPT]
 
-        asyncio.run(scenario())
+async def _answered_with_the_winner(gw, gate: asyncio.Event, empty: Replica, able: Replica) -> None:
+    task = asyncio.ensure_future(route(gw))
+    await asyncio.sleep(HEDGE_DELAY_S + 0.05)
+    gate.set()
+    router, _, _ = await task
+    assert router is able and gw._router_failed_at == [-math.inf, -math.inf]
+    assert empty.forgot == [ATTEMPT]
 
 
 def test_two_decisions_at_once_the_replica_asked_first_wins_and_the_other_cancels():

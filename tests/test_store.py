@@ -12,11 +12,19 @@ import xxhash
 
 from common.config import ConfigError, ServeConfig, TenantConfig, load_config
 from common.hashing import token_bytes
-from router.gateway.store import (
-    USAGE_FIELDS, CachedContentStore, EntryStore, KeyRing, LimitExceeded, RateLimiter, StoreUnavailable, UsageLedger,
-    connect, read_usage,
-)
 from harness import RedisServer
+from router.gateway.store import (
+    USAGE_FIELDS,
+    CachedContentStore,
+    EntryStore,
+    KeyRing,
+    LimitExceeded,
+    RateLimiter,
+    StoreUnavailable,
+    UsageLedger,
+    connect,
+    read_usage,
+)
 
 
 @pytest.fixture(scope="module")
