@@ -68,8 +68,9 @@ class Rig:
     def admin_groups(self) -> dict[str, dict] | None:
         """The groups by name per the admin API, or None when it does not answer 200."""
         try:
-            r = httpx.get(f"{self.server.base}/admin/v1/groups", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                          timeout=10)
+            r = httpx.get(
+                f"{self.server.base}/admin/v1/groups", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+            )
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -173,9 +174,11 @@ admin_keys: [{ADMIN_KEY}]
         rig = Rig(server, redis_proc, load, (t0, time.monotonic()))
         for t in TENANTS:
             steady = sorted((r for r in load.window(*rig.steady, t) if r.outcome == OK), key=lambda r: r.latency)
-            print(f"steady {t}: {len(steady)} requests, p50 {percentile([r.latency for r in steady], 50):.2f} s, "
-                  f"slowest: " + ", ".join(f"{r.kind} at +{r.start - t0:.1f} s took {r.latency:.2f} s"
-                                           for r in steady[:-4:-1]))
+            print(
+                f"steady {t}: {len(steady)} requests, p50 {percentile([r.latency for r in steady], 50):.2f} s, "
+                f"slowest: "
+                + ", ".join(f"{r.kind} at +{r.start - t0:.1f} s took {r.latency:.2f} s" for r in steady[:-4:-1])
+            )
         yield rig
         _print_table(rig.rows)
     finally:
@@ -190,8 +193,9 @@ def _print_table(rows: list[Row]) -> None:
         return "-" if v is None else f"{v * 1000:.0f}"
 
     print("\nfault suite (latencies in ms, acme / globex)")
-    print(f"{'kind':<14}{'requests':>9}{'lost':>6}{'recovery s':>12}{'steady p50':>14}{'steady p99':>14}"
-          f"{'fault p99':>14}")
+    print(
+        f"{'kind':<14}{'requests':>9}{'lost':>6}{'recovery s':>12}{'steady p50':>14}{'steady p99':>14}{'fault p99':>14}"
+    )
     for r in rows:
         rec = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
         p50, p99, fault = ("/".join(ms(v[t]) for t in TENANTS) for v in (r.steady_p50, r.steady_p99, r.fault_p99))
@@ -214,9 +218,11 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
     figures (the caller asserts)."""
     load = rig.load
     check = time.monotonic()
-    wait_for(lambda: _serving(rig.admin_groups()) and all(load.ok_since(check, t) >= 2 for t in TENANTS),
-          15 if rig.unrecovered else 60,
-          f"a healthy service before the fault (unrecovered faults before: {rig.unrecovered or 'none'})")
+    wait_for(
+        lambda: _serving(rig.admin_groups()) and all(load.ok_since(check, t) >= 2 for t in TENANTS),
+        15 if rig.unrecovered else 60,
+        f"a healthy service before the fault (unrecovered faults before: {rig.unrecovered or 'none'})",
+    )
     pre = time.monotonic()
     time.sleep(PRE_S)
     log_from = rig.log_sizes()
@@ -237,10 +243,10 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
     records = load.window(pre, post_end)
     lost = [r for r in records if r.outcome == LOST]
     if kind == "gateway":
-        # Requests running on the replica that was SIGKILLed die with it: Ray Serve's proxy answers them with a
-        # bare 500 or cuts the stream (nothing of kvgrid's survives to say "retry"; the official SDKs retry both
-        # by default). At most one per client thread can be in flight; every request sent after the kill counts.
-        in_flight = [r for r in lost if r.start < f.at]
+        # Requests on the replica that was SIGKILLed die with it: their connections are cut (nothing of kvgrid's
+        # survives to say "retry"; the official SDKs retry that by default, this load does not). At most one per
+        # client thread can be in flight; every request sent once the replica was gone (``f.end``) counts.
+        in_flight = [r for r in lost if r.start < f.end]
         print(f"  in flight on the killed gateway replica: {len(in_flight)}: {[r.detail for r in in_flight[:3]]}")
         assert len(in_flight) <= rig.load.clients, f"gateway: {len(in_flight)} in-flight requests lost"
         lost = [r for r in lost if r.start >= f.at]
@@ -253,8 +259,15 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
         steady_p50[t] = percentile((r.latency for r in baseline if r.outcome == OK), 50)
         steady_p99[t] = percentile((r.latency for r in baseline if r.outcome == OK), 99)
         fault_p99[t] = percentile((r.latency for r in during if r.outcome == OK), 99)
-    row = Row(kind, len(records), len(lost), None if f.recovered is None else f.recovered - f.at, steady_p50,
-              steady_p99, fault_p99)
+    row = Row(
+        kind,
+        len(records),
+        len(lost),
+        None if f.recovered is None else f.recovered - f.at,
+        steady_p50,
+        steady_p99,
+        fault_p99,
+    )
     rig.rows.append(row)
     if f.recovered is None:
         rig.unrecovered.append(kind)
@@ -263,29 +276,48 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
         print(f"  lost: {r.tenant} {r.kind} at +{r.start - f.at:.1f} s: {r.detail}")
     for line in rig.log_lines_since(log_from)[:30]:  # what the server said meanwhile (shown when the test fails)
         print(f"  log: {line[:240]}")
-    slowest = sorted((r for r in load.window(pre, fault_end) if r.end > f.at and r.outcome == OK),
-                     key=lambda r: -r.latency)[:3]
-    print("  slowest while recovering: " + ", ".join(
-        f"{r.tenant} {r.kind} at +{r.start - f.at:.1f} s took {r.latency:.2f} s" for r in slowest))
+    slowest = sorted(
+        (r for r in load.window(pre, fault_end) if r.end > f.at and r.outcome == OK), key=lambda r: -r.latency
+    )[:3]
+    print(
+        "  slowest while recovering: "
+        + ", ".join(f"{r.tenant} {r.kind} at +{r.start - f.at:.1f} s took {r.latency:.2f} s" for r in slowest)
+    )
 
     # The targets.
     assert len(lost) == 0, f"{kind}: {len(lost)} of {len(records)} requests lost, e.g. {[r.detail for r in lost[:3]]}"
     assert row.recovery_s is not None and row.recovery_s <= RECOVERY_LIMIT_S, (
         f"{kind}: no recovery within {RECOVERY_LIMIT_S:.0f} s (kind back after "
-        f"{None if f.back is None else round(f.back - f.at, 1)} s, recovered after {row.recovery_s} s)")
+        f"{None if f.back is None else round(f.back - f.at, 1)} s, recovered after {row.recovery_s} s)"
+    )
     after = load.window(f.recovered + 1.0, post_end)  # a second for requests racing the recovery
     assert after and all(r.outcome == OK for r in after), (
-        f"{kind}: failures after recovery: {[(r.tenant, r.outcome, r.detail) for r in after if r.outcome != OK][:3]}")
+        f"{kind}: failures after recovery: {[(r.tenant, r.outcome, r.detail) for r in after if r.outcome != OK][:3]}"
+    )
     for t in TENANTS:
         assert fault_p99[t] is not None, f"{kind}: tenant {t} completed no request while the service recovered"
         assert fault_p99[t] <= P99_FACTOR * steady_p99[t], (
-            f"{kind}: {t} p99 {fault_p99[t]:.2f} s while recovering > {P99_FACTOR:g} x steady {steady_p99[t]:.2f} s")
+            f"{kind}: {t} p99 {fault_p99[t]:.2f} s while recovering > {P99_FACTOR:g} x steady {steady_p99[t]:.2f} s"
+        )
     return f, row
 
 
 def _kill(pids: set[int]) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+
+
+def _kill_and_wait(pids: set[int]) -> None:
+    """SIGKILL ``pids`` and return once none of them runs any more (gone or a zombie: its sockets are closed)."""
+    _kill(pids)
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(lambda: all(gone(p) for p in pids), 10, f"{pids} to exit")
 
 
 def _group_fault(rig: Rig, kind: str, victim: str, pids: set[int]) -> None:
@@ -302,7 +334,8 @@ def _group_fault(rig: Rig, kind: str, victim: str, pids: set[int]) -> None:
     served = wait_for(rig.admin_groups, 30, "the admin API")[other]["stats"]["requests"] - before
     while_down = [r for r in rig.load.window(f.at, f.back) if r.outcome == OK and r.end < f.back]
     assert served > 0 and while_down, (
-        f"{kind}: group {other} served {served} requests, {len(while_down)} completed while {victim} was down")
+        f"{kind}: group {other} served {served} requests, {len(while_down)} completed while {victim} was down"
+    )
 
 
 def test_a_killed_rank_loses_nothing_and_its_group_restarts(rig):
@@ -327,7 +360,7 @@ def test_a_killed_gateway_replica_loses_nothing_and_is_replaced(rig):
         now = rig.gateways()
         return victim not in now and len(now) >= len(before)
 
-    _run_fault(rig, "gateway", lambda: _kill({victim}), back)
+    _run_fault(rig, "gateway", lambda: _kill_and_wait({victim}), back)
 
 
 def test_a_killed_router_replica_loses_nothing_and_restarts(rig):

@@ -76,9 +76,16 @@ class IngressServer:
     app creates (Redis clients, background tasks, group subscriptions) lives on the loop that serves it;
     ``on_stop`` runs there too, after the last connection closed."""
 
-    def __init__(self, make_app: Callable[[], FastAPI], sock: socket.socket, limit_concurrency: int,
-                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        self._make_app, self._sock, self._on_stop = make_app, sock, on_stop
+    def __init__(
+        self,
+        make_app: Callable[[], FastAPI],
+        host: str,
+        port: int,
+        limit_concurrency: int,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._make_app, self._address, self._on_stop = make_app, (host, port), on_stop
+        self._sock: socket.socket | None = None
         self._limit = limit_concurrency
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
@@ -104,13 +111,24 @@ class IngressServer:
                         runner.run(self._on_stop())
                     except Exception:
                         log.exception("stopping the gateway")
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
 
     async def _serve(self) -> None:
-        config = uvicorn.Config(self._make_app(), lifespan="off", log_level="warning", access_log=False,
-                                limit_concurrency=self._limit, timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
-                                http="httptools" if _has("httptools") else "h11", ws="none")
+        config = uvicorn.Config(
+            self._make_app(),
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            limit_concurrency=self._limit,
+            timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
+            http="httptools" if _has("httptools") else "h11",
+            ws="none",
+        )
         self.server = uvicorn.Server(config)
+        # Bound only now that the app is ready: the kernel hands a bound socket its share of new connections at
+        # once, and they would wait in its queue while a replacement replica loads its tokenizer.
+        self._sock = listen(*self._address)
         serving = asyncio.ensure_future(self.server.serve(sockets=[self._sock]))
         while not self.server.started and not serving.done():
             await asyncio.sleep(0.01)
@@ -118,8 +136,13 @@ class IngressServer:
         await serving
 
     def alive(self) -> bool:
-        return (self._thread.is_alive() and self.error is None and self.server is not None
-                and self.server.started and not self.server.should_exit)
+        return (
+            self._thread.is_alive()
+            and self.error is None
+            and self.server is not None
+            and self.server.started
+            and not self.server.should_exit
+        )
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S + 5) -> None:
         """Stop accepting, let open requests finish (up to ``STOP_TIMEOUT_S``), run ``on_stop``."""
@@ -140,20 +163,23 @@ class GatewayReplica:
     ``/admin`` when it is given the ``supervisor`` (the config has ``admin_keys``). ``config`` carries no API keys
     (``keys`` holds their hashes)."""
 
-    def __init__(self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list, redis_url: str,
-                 supervisor=None) -> None:
+    def __init__(
+        self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list, redis_url: str, supervisor=None
+    ) -> None:
         self.gateway: Gateway | None = None
 
         def make_app() -> FastAPI:
             self.gateway = Gateway(config, keys, model_path, routers, redis_url)
             admin = None
             if supervisor is not None:
-                admin = create_admin_app(Admin(keys, [t.name for t in config.tenants], supervisor, routers,
-                                               config.http.docs))
+                admin = create_admin_app(
+                    Admin(keys, [t.name for t in config.tenants], supervisor, routers, config.http.docs)
+                )
             return create_app(self.gateway, admin)
 
-        sock = listen(config.http.host, config.http.port)
-        self.ingress = IngressServer(make_app, sock, config.http.max_ongoing_requests, on_stop=self._close)
+        self.ingress = IngressServer(
+            make_app, config.http.host, config.http.port, config.http.max_ongoing_requests, on_stop=self._close
+        )
 
     async def _close(self) -> None:
         if self.gateway is not None:
