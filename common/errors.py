@@ -55,3 +55,11 @@ def validation_message(exc: ValidationError, whole: str, *, plain: bool = False,
     problem = first["msg"].removeprefix("Value error, ") if plain else first["msg"]
     more = f" (and {exc.error_count() - 1} more)" if count and exc.error_count() > 1 else ""
     return f"{where}: {problem}{more}"
+
+
+class Overloaded(RuntimeError):
+    """Every group's prefill queue is at its limit (the router): the caller should retry later (HTTP 429)."""
+
+
+class NoGroup(RuntimeError):
+    """No worker group can take a request now (none started, all draining or failed): retry later (HTTP 503)."""

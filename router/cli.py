@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
+
+from common.logs import configure_logging
 
 DEMO_PREFIX = (
     "You are the support assistant of a company that rents out bicycles in a small harbour town. "
@@ -21,9 +22,6 @@ DEMO_PREFIX = (
     "coastal routes, sells water and snacks, and can recommend guided tours on weekends. "
 )
 DEMO_QUESTIONS = ("How much is an electric bike for two days?", "Do I need to bring my own helmet?")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# kvgrid's own loggers speak from INFO; other libraries' only from WARNING (httpx logs every request at INFO).
-KVGRID_LOGGERS = ("router", "worker", "common", "kvgrid")
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -82,8 +80,13 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
     from worker import bench
 
     bench.run_tp(
-        model=args.model, tps=tuple(args.tp), prompt_len=args.prompt_len, batches=tuple(args.batch),
-        decode_tokens=args.decode_tokens, device=args.device, as_json=args.json,
+        model=args.model,
+        tps=tuple(args.tp),
+        prompt_len=args.prompt_len,
+        batches=tuple(args.batch),
+        decode_tokens=args.decode_tokens,
+        device=args.device,
+        as_json=args.json,
     )
     return 0
 
@@ -97,9 +100,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     results = []
     for policy in policies:
         r = replay(
-            trace, args.groups, args.capacity_tokens, args.block_size, policy,
-            prefill_tokens_per_s=args.prefill_rate, decode_s_per_token=args.decode_ms / 1e3,
-            seed=args.seed, progress=not args.json,
+            trace,
+            args.groups,
+            args.capacity_tokens,
+            args.block_size,
+            policy,
+            prefill_tokens_per_s=args.prefill_rate,
+            decode_s_per_token=args.decode_ms / 1e3,
+            seed=args.seed,
+            progress=not args.json,
         )
         results.append(r)
         if not args.json:
@@ -113,8 +122,11 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
     from router.sim import bench
 
     bench.route_latency(
-        prompt_tokens=args.prompt_tokens, index_keys=args.index_keys, groups=args.groups,
-        block_size=args.block_size, calls=args.calls,
+        prompt_tokens=args.prompt_tokens,
+        index_keys=args.index_keys,
+        groups=args.groups,
+        block_size=args.block_size,
+        calls=args.calls,
     )
     return 0
 
@@ -155,13 +167,17 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | N
 
 
 def _print_groups(groups: list[dict]) -> None:
-    print(f"{'group':<8} {'state':<11} {'restarts':>8} {'running':>8} {'waiting':>8} {'requests':>9} "
-          f"{'pinned':>7} {'index keys':>11}")
+    print(
+        f"{'group':<8} {'state':<11} {'restarts':>8} {'running':>8} {'waiting':>8} {'requests':>9} "
+        f"{'pinned':>7} {'index keys':>11}"
+    )
     for g in groups:
         st, rt = g.get("stats") or {}, g.get("router") or {}
-        print(f"{g['name']:<8} {g['state']:<11} {g['restarts']:>8} {st.get('running', '-'):>8} "
-              f"{st.get('waiting', '-'):>8} {st.get('requests', '-'):>9} {st.get('blocks_pinned', '-'):>7} "
-              f"{rt.get('index_keys', '-'):>11}")
+        print(
+            f"{g['name']:<8} {g['state']:<11} {g['restarts']:>8} {st.get('running', '-'):>8} "
+            f"{st.get('waiting', '-'):>8} {st.get('requests', '-'):>9} {st.get('blocks_pinned', '-'):>7} "
+            f"{rt.get('index_keys', '-'):>11}"
+        )
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -232,10 +248,18 @@ def _add_scale_and_groups(sub) -> None:
     """The admin API's commands."""
     sc = sub.add_parser("scale", help="start or drain worker groups of a running server (admin API)")
     sc.add_argument("--groups", type=int, required=True, help="how many groups to run")
-    sc.add_argument("--remove", action="append", metavar="GROUP",
-                    help="drain this group when scaling down (repeatable; default: the newest)")
-    sc.add_argument("--drain-timeout", type=float, default=None,
-                    help="seconds a draining group's requests may still run (default 120)")
+    sc.add_argument(
+        "--remove",
+        action="append",
+        metavar="GROUP",
+        help="drain this group when scaling down (repeatable; default: the newest)",
+    )
+    sc.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="seconds a draining group's requests may still run (default 120)",
+    )
     _admin_args(sc)
     sc.set_defaults(func=_cmd_scale)
     gr = sub.add_parser("groups", help="list the worker groups of a running server (admin API)")
@@ -266,8 +290,12 @@ def _add_bench_engine(bsub) -> None:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--repeats", type=int, default=5)
     e.add_argument("--device", default="auto")
-    e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly on CUDA (to compare with the captured graphs)")
+    e.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly on CUDA (to compare with the captured graphs)",
+    )
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)
 
@@ -310,13 +338,6 @@ def _add_replay(sub) -> None:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_cmd_replay)
-
-
-def configure_logging() -> None:
-    """Log records to stderr (once per process: a root logger that has handlers already is left alone)."""
-    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
-    for name in KVGRID_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

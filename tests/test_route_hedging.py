@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from common.errors import NoGroup, Overloaded
 from router.gateway.core import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, HedgeBudget
-from router.routing.router import NoGroup, Overloaded
 
 ATTEMPT = "acme-0123-0"
 
@@ -23,8 +23,9 @@ class Replica:
     (never when None; when ``gate`` is set, once it is set) or fails with ``error``; the request ids of
     ``cancel_route.remote`` (``forgot``) and ``on_finish.remote`` (``finished``) are recorded."""
 
-    def __init__(self, name: str, delay_s: float | None = 0.0, error: Exception | None = None,
-                 gate: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, name: str, delay_s: float | None = 0.0, error: Exception | None = None, gate: asyncio.Event | None = None
+    ) -> None:
         self.name, self.delay_s, self.error, self.gate = name, delay_s, error, gate
         self.asked: list[str] = []
         self.asked_at: list[float] = []
@@ -56,8 +57,12 @@ def RouterError(cause: Exception) -> RayError:  # noqa: N802 (stands for the cla
 
 def gateway(*replicas: Replica, budget: HedgeBudget | None = None) -> SimpleNamespace:
     """The gateway state ``_route`` reads; the first replica is asked first."""
-    return SimpleNamespace(routers=list(replicas), _next_router=len(replicas) - 1,
-                           _router_failed_at=[-math.inf] * len(replicas), _hedges=budget or HedgeBudget())
+    return SimpleNamespace(
+        routers=list(replicas),
+        _next_router=len(replicas) - 1,
+        _router_failed_at=[-math.inf] * len(replicas),
+        _hedges=budget or HedgeBudget(),
+    )
 
 
 async def route(gw, attempt: str = ATTEMPT):

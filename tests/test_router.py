@@ -162,17 +162,33 @@ def test_replay_command_prints_json(tmp_path):
     small = tmp_path / "t.jsonl"
     small.write_text("".join(TRACE.open().readlines()[:200]))
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "replay", "--trace", str(small), "--groups", "2",
-         "--capacity-tokens", "200000", "--policy", "all", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "replay",
+            "--trace",
+            str(small),
+            "--groups",
+            "2",
+            "--capacity-tokens",
+            "200000",
+            "--policy",
+            "all",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout)
     assert {r["policy"] for r in results} == {"kvgrid", "round_robin", "least_loaded", "prefix_affinity"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
-    out = subprocess.run([sys.executable, "-m", "router.cli", "replay", "--trace", str(bad)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "replay", "--trace", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "not a trace record" in out.stderr
 
 
@@ -200,7 +216,7 @@ def test_a_prediction_lapses_per_group_even_when_another_group_renews_the_key():
 def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
     import pytest
 
-    from router.routing.router import Overloaded
+    from common.errors import Overloaded
 
     router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100)
     first = router.route("acme", list(range(150)))  # g0 or g1 is now over the limit
@@ -215,7 +231,7 @@ def test_full_queues_refuse_work_and_a_group_with_room_takes_it():
 def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_behind():
     import pytest
 
-    from router.routing.router import NoGroup
+    from common.errors import NoGroup
 
     router = Router(["g0", "g1", "g2"], SECRET)
     doc = list(range(256))
@@ -244,7 +260,7 @@ def test_paused_and_excluded_groups_get_no_requests_and_removal_leaves_no_key_be
 def test_a_tenant_filling_every_queue_is_refused_while_another_tenant_is_still_served():
     import pytest
 
-    from router.routing.router import Overloaded
+    from common.errors import Overloaded
 
     router = Router(["g0", "g1"], SECRET, max_queued_prefill_tokens=100, tenant_shares={"acme": 1.0, "globex": 1.0})
     flood = [router.route("acme", list(range(i * 1000, i * 1000 + 150))) for i in range(2)]  # both queues full

@@ -38,7 +38,7 @@ from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
 
-_log = logging.getLogger("kvgrid.group")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,7 +147,7 @@ class RankActor:
                 if self.error is None:  # once failed, nothing more comes: no wait before saying so
                     try:
                         await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 batch = self._take(sub)
                 # Deltas of the last good step go out first (a request that finished in it gets its result);
@@ -195,8 +195,9 @@ class RankActor:
             raise ValueError(f"request id {rid!r} is already in use")
         self._owner[rid] = sub  # before the engine knows it: its first delta always finds its reader
         try:
-            await self._run(self.engine.add_request, req.prompt, req.params, req.tenant, rid, req.pin_tokens,
-                            req.pin_ttl_s)
+            await self._run(
+                self.engine.add_request, req.prompt, req.params, req.tenant, rid, req.pin_tokens, req.pin_ttl_s
+            )
         except BaseException:
             self._owner.pop(rid, None)
             raise
@@ -249,7 +250,7 @@ class RankActor:
     def _keys(self) -> list[bytes]:
         """Every key the pool holds, read on the engine thread (the event writer's snapshot, from its thread)."""
         assert self.engine is not None
-        return self._call_engine(lambda: list(self.engine.kv.pool.key_to_block))
+        return self._call_engine(self.engine.kv.cached_keys)
 
     async def _run(self, fn, *args):
         """``fn(*args)`` on the engine thread: the event loop never waits on a step (so ``health`` and
@@ -291,7 +292,7 @@ class RankActor:
             try:
                 # shield: on timeout the step's thread cannot be stopped, only given up on
                 outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.mark_unhealthy(self._stuck_reason())
                 step.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
                 return
@@ -358,8 +359,12 @@ class RankActor:
         """Where this rank runs (for operators and tests)."""
         import os
 
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "step_threads": self.step_threads}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "step_threads": self.step_threads,
+        }
 
     async def pinned_entries(self) -> list[tuple[str, list[int], float]]:
         """Explicit cache entries pinned in this group: (tenant, prompt tokens, seconds left)."""
@@ -461,8 +466,11 @@ class WorkerGroup:
         # Detached (like the ranks): the group outlives a crash of the supervisor that started it, which
         # adopts it again by name when Ray restarts it. ``shutdown()`` and ``remove_all()`` free them.
         self._pg = placement_group(
-            [per_rank] * cfg.tp, strategy="STRICT_PACK", name=pg_name(cfg.name),
-            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp, lifetime="detached",
+            [per_rank] * cfg.tp,
+            strategy="STRICT_PACK",
+            name=pg_name(cfg.name),
+            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
+            lifetime="detached",
         )
         ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
         actor = ray.remote(RankActor)
@@ -574,7 +582,9 @@ class WorkerGroup:
         leader (what a gateway replica does)."""
         return self.client.astream(_submit(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s))
 
-    def generate(self, prompt: list[int], params: SamplingParams | None = None, tenant: str = "default") -> RequestOutput:
+    def generate(
+        self, prompt: list[int], params: SamplingParams | None = None, tenant: str = "default"
+    ) -> RequestOutput:
         """Run one request to completion."""
         return self.client.run(_submit(prompt, params, tenant))
 
@@ -610,7 +620,7 @@ class WorkerGroup:
             try:
                 remove_placement_group(self._pg)
             except Exception as exc:  # the GCS did not answer: remove_all() at exit still finds it by name
-                print(f"kvgrid: could not remove placement group of {self.name}: {exc}", flush=True)
+                _log.warning("could not remove the placement group of %s: %s", self.name, exc)
         self.ranks, self._follows, self._pg, self._client = [], [], None, None
 
     def restart(self) -> None:
@@ -619,8 +629,14 @@ class WorkerGroup:
         self.start()
 
 
-def _submit(prompt: list[int], params: SamplingParams | None, tenant: str, request_id: str | None = None,
-            pin_tokens: int = 0, pin_ttl_s: float = 300.0) -> Submit:
+def _submit(
+    prompt: list[int],
+    params: SamplingParams | None,
+    tenant: str,
+    request_id: str | None = None,
+    pin_tokens: int = 0,
+    pin_ttl_s: float = 300.0,
+) -> Submit:
     return Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
 
 

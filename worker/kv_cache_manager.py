@@ -26,19 +26,17 @@ class KVCacheManager:
     """One engine's KV blocks: which blocks each sequence holds, and the pool they come from."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, hash_algo: str, sink: EventSink | None = None,
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_algo: str,
+        sink: EventSink | None = None,
         shares: dict[str, float] | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algo = hash_algo
         self._pool = BlockPool(num_blocks, sink, shares)
         self.stats: dict[str, PrefixCacheStats] = defaultdict(PrefixCacheStats)
-
-    @property
-    def pool(self) -> BlockPool:
-        """The pool itself. Transitional: only ``worker/group.py`` still reads it (``cached_keys`` is its
-        replacement); everything else uses the methods below."""
-        return self._pool
 
     def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The first ``num_blocks`` full-block keys of ``seq``, hashing only blocks not hashed before."""
@@ -113,7 +111,11 @@ class KVCacheManager:
     # -- the pool as a whole ----------------------------------------------------------------------------------
 
     def pin(
-        self, keys: list[bytes], until: float, tenant: str, limit_blocks: int | None = None,
+        self,
+        keys: list[bytes],
+        until: float,
+        tenant: str,
+        limit_blocks: int | None = None,
         total_limit_blocks: int | None = None,
     ) -> int:
         """Pin (or refresh) the cached blocks of ``keys`` until ``until``; returns how many leading keys are

@@ -15,6 +15,7 @@ starts empty) and drops those that no longer exist.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -26,6 +27,7 @@ from ray.util.placement_group import placement_group_table
 
 from common.errors import GroupUnhealthyError
 from common.event_stream import stream_client
+from common.logs import configure_logging
 from common.protocol import GroupClient, RankHandle, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.routing.service import restarted
@@ -38,6 +40,8 @@ RECOMPUTE_TIMEOUT_S = 300.0  # one output of a pinned entry's recompute on anoth
 REDIS_TIMEOUT_S = 2.0
 _GROUP_PG = re.compile(r"kvgrid-g([0-9]+)")  # a group's placement group (group names are g0, g1, ...)
 
+log = logging.getLogger(__name__)
+
 
 class Supervisor:
     def __init__(
@@ -49,6 +53,7 @@ class Supervisor:
         drain_timeout_s: float = 120.0,
         max_groups: int | None = None,
     ) -> None:
+        configure_logging()  # its messages are the operator's account of the groups
         self.template = template
         self.routers = list(routers)  # the RouterService replicas: each learns of every group change
         self.router = self.routers[0]  # the one that places moved pins
@@ -100,12 +105,13 @@ class Supervisor:
                 raise ValueError(f"no serving worker group {', '.join(unknown)} (serving: {', '.join(serving)})")
             surplus = len(active) - groups
             if len(set(remove)) > max(0, surplus):
-                raise ValueError(f"remove names {len(set(remove))} group(s) but scaling to {groups} removes "
-                                 f"{max(0, surplus)}")
+                raise ValueError(
+                    f"remove names {len(set(remove))} group(s) but scaling to {groups} removes {max(0, surplus)}"
+                )
             for _ in range(-surplus):
                 self._add()
             victims = list(dict.fromkeys(remove)) + [g for g in reversed(serving) if g not in remove]
-            for name in victims[:max(0, surplus)]:
+            for name in victims[: max(0, surplus)]:
                 self._drain(name, self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
         return self.describe()
 
@@ -136,8 +142,11 @@ class Supervisor:
     def _adopt(self) -> None:
         """After a restart: take over the groups the previous incarnation left running (found by name), start
         nothing, and number new groups after every name used so far in this Ray cluster."""
-        numbers = {int(m.group(1)) for info in placement_group_table().values()  # removed ones too: never reused
-                   if (m := _GROUP_PG.fullmatch(info.get("name", "")))}
+        numbers = {
+            int(m.group(1))
+            for info in placement_group_table().values()  # removed ones too: never reused
+            if (m := _GROUP_PG.fullmatch(info.get("name", "")))
+        }
         routed = self._router_groups()
         numbers |= {int(g[1:]) for groups in routed if groups for g in groups if re.fullmatch(r"g[0-9]+", g)}
         self._next = max(numbers, default=-1) + 1
@@ -240,8 +249,9 @@ class Supervisor:
         finally:
             client.close()
 
-    def _tell_routers(self, method: str, *args, routers: Sequence[RouterHandle] | None = None,
-                      timeout_s: float = ROUTER_TIMEOUT_S) -> None:
+    def _tell_routers(
+        self, method: str, *args, routers: Sequence[RouterHandle] | None = None, timeout_s: float = ROUTER_TIMEOUT_S
+    ) -> None:
         """Call ``method`` on every router replica (or those in ``routers``); a replica that fails or does not
         answer is logged, not fatal (the health check catches it up once it answers again)."""
         refs = [getattr(r, method).remote(*args) for r in (self.routers if routers is None else routers)]
@@ -350,15 +360,23 @@ class Supervisor:
         routed = next((groups for groups in self._router_groups() if groups is not None), {})
         out = []
         for name, state, group in items:
-            entry: dict = {"name": name, "state": state, "tp": self.template.tp,
-                           "restarts": self.restarts.get(name, 0), "router": routed.get(name)}
+            entry: dict = {
+                "name": name,
+                "state": state,
+                "tp": self.template.tp,
+                "restarts": self.restarts.get(name, 0),
+                "router": routed.get(name),
+            }
             if group is not None and group.ranks:
                 try:
                     entry["ranks"] = group.rank_infos(timeout_s=10)
                     s = group.stats(timeout_s=10)
                     entry["stats"] = {
-                        "running": s.running, "waiting": s.waiting, "blocks_pinned": s.blocks_pinned,
-                        "blocks_cached": s.blocks_cached, "blocks_free": s.blocks_free,
+                        "running": s.running,
+                        "waiting": s.waiting,
+                        "blocks_pinned": s.blocks_pinned,
+                        "blocks_cached": s.blocks_cached,
+                        "blocks_free": s.blocks_free,
                         "requests": sum(p.requests for p in s.prefix_cache.values()),
                     }
                 except Exception as exc:
@@ -373,8 +391,7 @@ class Supervisor:
 
     def info(self) -> dict:
         """Where the supervisor runs (its process id changes when Ray restarts it)."""
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "restarted": restarted()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "restarted": restarted()}
 
     def shutdown(self) -> None:
         """Stop watching and stop every group, then remove any group actor or placement group still left
@@ -390,4 +407,4 @@ class Supervisor:
 
 
 def _log(message: str) -> None:
-    print(f"kvgrid supervisor: {message}", flush=True)
+    log.info(message)

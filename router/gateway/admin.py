@@ -86,7 +86,7 @@ async def _call(ref, timeout_s: float = CALL_TIMEOUT_S):
     """The result of a remote call, or the matching admin error (never a wait without end)."""
     try:
         return await asyncio.wait_for(ref, timeout_s)
-    except (RayError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, RayError) as exc:
         raise _remote_error(exc) from None
 
 
@@ -122,7 +122,7 @@ class Admin:
         for router in self.routers:
             try:
                 return await asyncio.wait_for(getattr(router, method).remote(*args), CALL_TIMEOUT_S)
-            except (RayActorError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, RayActorError) as exc:
                 last = exc
             except RayError as exc:
                 raise _remote_error(exc) from None
@@ -148,13 +148,13 @@ class Admin:
         for r in self.routers:
             try:
                 index_keys.append(await asyncio.wait_for(r.index_key_counts.remote(), CALL_TIMEOUT_S))
-            except (RayError, asyncio.TimeoutError):
+            except (TimeoutError, RayError):
                 index_keys.append(None)
         routers = []  # each replica's process (a new pid after Ray restarted it); null if it does not answer
         for r in self.routers:
             try:
                 routers.append(await asyncio.wait_for(r.info.remote(), CALL_TIMEOUT_S))
-            except (RayError, asyncio.TimeoutError):
+            except (TimeoutError, RayError):
                 routers.append(None)
         return {"groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S), "index_keys": index_keys,
                 "supervisor": await _call(self.supervisor.info.remote()), "routers": routers}

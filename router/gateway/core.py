@@ -25,8 +25,8 @@ from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
 
 from common.config import ServeConfig, TenantConfig
-from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, remote_cause
-from common.model_config import ModelConfig, load_tokenizer
+from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
+from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput
 from common.protocol import GroupClient, RouterHandle, Submit
 from common.sampling import SamplingParams
@@ -52,7 +52,7 @@ from router.gateway.store import (
     connect,
     presented_key,
 )
-from router.routing.router import NoGroup, Overloaded, RouteDecision
+from router.routing.router import RouteDecision
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,14 @@ class GroupFailed(Exception):
 class ApiError(Exception):
     """An error answered in the calling API's own format (``api``: "openai" or "anthropic")."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", api: str = "openai",
-                 retry_after: float = 1.0) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        api: str = "openai",
+        retry_after: float = 1.0,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.api = status, message, kind, api
         self.retry_after = retry_after
@@ -100,12 +106,19 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.status in (429, 503) else None
-        return Response(self.body().model_dump_json(), status_code=self.status, headers=headers,
-                        media_type="application/json")
+        return Response(
+            self.body().model_dump_json(), status_code=self.status, headers=headers, media_type="application/json"
+        )
 
 
-_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def err(status: int, message: str, api: str, retry_after: float = 1.0) -> ApiError:
@@ -135,8 +148,13 @@ def group_failure(exc: Exception, group: str, api: str) -> Exception:
     if isinstance(exc, RequestAborted):
         return err(503, "the request was aborted on its worker group; retry it", api)
     if isinstance(exc, RequestFailed):  # the engine failed this request alone; its group keeps serving
-        return ApiError(500, f"the request failed on worker group {group} ({exc}); the service keeps serving, "
-                        "retry it or change its parameters", "api_error", api)
+        return ApiError(
+            500,
+            f"the request failed on worker group {group} ({exc}); the service keeps serving, "
+            "retry it or change its parameters",
+            "api_error",
+            api,
+        )
     if isinstance(exc, GroupUnhealthyError):
         return GroupFailed(f"{type(exc).__name__}: {exc}")
     return ApiError(500, f"internal error in worker group {group} ({type(exc).__name__})", "api_error", api)
@@ -154,10 +172,10 @@ class _Metrics:
         self.cached = Counter("kvgrid_cached_tokens", "Prompt tokens served from the prefix cache", lbl, registry=r)
         self.output = Counter("kvgrid_output_tokens", "Output tokens", lbl, registry=r)
         self.hit_rate = Gauge("kvgrid_prefix_hit_rate", "Cached / prompt tokens so far", lbl, registry=r)
-        self.predicted = Counter("kvgrid_router_predicted_cached_tokens", "Cached tokens the router expected", lbl,
-                                 registry=r)
-        self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl,
-                              registry=r)
+        self.predicted = Counter(
+            "kvgrid_router_predicted_cached_tokens", "Cached tokens the router expected", lbl, registry=r
+        )
+        self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl, registry=r)
         self.tenant = tenant
         self._prompt_total = self._cached_total = 0
 
@@ -315,8 +333,9 @@ async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncIterator[
         try:
             reason = await client.ahealth(HEALTH_TIMEOUT_S)
         except (GroupUnhealthyError, TimeoutError) as exc:
-            reason = (f"no output for {GROUP_SILENCE_S:.0f} s and no health answer "
-                      f"({type(exc.__cause__ or exc).__name__})")
+            reason = (
+                f"no output for {GROUP_SILENCE_S:.0f} s and no health answer ({type(exc.__cause__ or exc).__name__})"
+            )
         if reason is not None:
             raise GroupFailed(reason)
 
@@ -340,14 +359,15 @@ class Gateway:
     holds their hashes). ``routers``: the RouterService replicas; each request stays with the one that routed
     it."""
 
-    def __init__(self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list[RouterHandle],
-                 redis_url: str) -> None:
+    def __init__(
+        self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list[RouterHandle], redis_url: str
+    ) -> None:
         self.config = config
         self.model_id = config.model_id
         self.keys = keys
         self.tokenizer = load_tokenizer(model_path)
-        mcfg = ModelConfig.from_folder(model_path)  # the same limit the engine enforces
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        mcfg = ModelConfig.from_folder(model_path)
+        self.max_model_len = max_model_len(mcfg, config.max_model_len)  # the same limit the engine enforces
         self.routers = list(routers)
         self._next_router = secrets.randbelow(len(self.routers))
         self._router_failed_at = [-math.inf] * len(self.routers)
@@ -355,10 +375,14 @@ class Gateway:
         self.redis = connect(redis_url, config.redis_timeout_s)
         self.ledger = UsageLedger(self.redis)
         self.entries = EntryStore(self.redis)
-        self.contents = {t.name: CachedContentStore(self.redis, t.limits.max_cached_contents,
-                                                    t.limits.max_cached_content_tokens) for t in config.tenants}
-        self.tenants = {t.name: Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
-                        for t in config.tenants}
+        self.contents = {
+            t.name: CachedContentStore(self.redis, t.limits.max_cached_contents, t.limits.max_cached_content_tokens)
+            for t in config.tenants
+        }
+        self.tenants = {
+            t.name: Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
+            for t in config.tenants
+        }
         self._background: set[asyncio.Task] = set()
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
 
@@ -394,8 +418,12 @@ class Gateway:
         limit = t.config.limits.max_inflight_requests
         if t.inflight >= limit:
             work.close()
-            raise err(429, f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
-                      "when one has finished", api)
+            raise err(
+                429,
+                f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
+                "when one has finished",
+                api,
+            )
         slot = _Slot(t)
         try:
             result = await work
@@ -427,8 +455,12 @@ class Gateway:
         if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
             raise err(413, f"the prompt has {len(prompt)} tokens; this tenant may send {lim.max_prompt_tokens}", api)
         if lim.tokens_per_min is not None and len(prompt) + max_tokens > lim.tokens_per_min:
-            raise err(413, f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
-                      f"{lim.tokens_per_min} tokens per minute", api)
+            raise err(
+                413,
+                f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
+                f"{lim.tokens_per_min} tokens per minute",
+                api,
+            )
         retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
@@ -456,20 +488,35 @@ class Gateway:
             raise err(404, f"cached content {cid!r} not found", api)
         return cc.token_ids, max(1.0, cc.expires - time.time())
 
-    def params(self, max_tokens: int, temperature: float, top_p: float, stop: list[str] | None, seed: int | None,
-               api: str, top_k: int = 0, ignore_eos: bool = False) -> SamplingParams:
+    def params(
+        self,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str] | None,
+        seed: int | None,
+        api: str,
+        top_k: int = 0,
+        ignore_eos: bool = False,
+    ) -> SamplingParams:
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                stop=stop or [], seed=seed, ignore_eos=ignore_eos,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop=stop or [],
+                seed=seed,
+                ignore_eos=ignore_eos,
             )
         except ValueError as exc:
             raise err(400, str(exc), api) from None
 
     # -- routing and running -----------------------------------------------------------------------------------
 
-    async def _route(self, t: Tenant, prompt: list[int], attempt: str, failed: list[str],
-                     api: str) -> tuple[RouterHandle, RouteDecision]:
+    async def _route(
+        self, t: Tenant, prompt: list[int], attempt: str, failed: list[str], api: str
+    ) -> tuple[RouterHandle, RouteDecision]:
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
         request, within ``HEDGE_BUDGET``), and the first decision wins; every other replica asked cancels the
@@ -481,8 +528,10 @@ class Gateway:
         self._next_router = (self._next_router + 1) % n
         self._hedges.earn()
         now = time.monotonic()
-        order = sorted(((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
-                       key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S)
+        order = sorted(
+            ((self._next_router + i) % n for i in range(n)),  # round robin, recent failures last
+            key=lambda j: now - self._router_failed_at[j] < ROUTER_COOLDOWN_S,
+        )
         pending: dict[asyncio.Future, int] = {}  # call -> position in ``order``
         asked = 0  # replicas asked so far: order[:asked]
         hedged = False
@@ -519,7 +568,7 @@ class Gateway:
                     j = order[pending.pop(call)]
                     try:
                         call.result()
-                    except (RayActorError, asyncio.TimeoutError):
+                    except (TimeoutError, RayActorError):
                         self._router_failed_at[j] = time.monotonic()
                         self.routers[j].cancel_route.remote(attempt)  # in case it did route it
                     except RayError as exc:
@@ -551,8 +600,17 @@ class Gateway:
             client = self._clients[decision.group] = GroupClient(decision.group, decision.leader)
         return client
 
-    async def generate(self, t: Tenant, prompt: list[int], params: SamplingParams, api: str, pin_tokens: int,
-                       pin_ttl_s: float, account: Account, restartable: bool = False) -> Run:
+    async def generate(
+        self,
+        t: Tenant,
+        prompt: list[int],
+        params: SamplingParams,
+        api: str,
+        pin_tokens: int,
+        pin_ttl_s: float,
+        account: Account,
+        restartable: bool = False,
+    ) -> Run:
         """Route and run one request; yields (output, tokens the router expected cached). However it ends
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
         once, and an unfinished request is aborted on its group (by its ``GroupClient`` stream).
@@ -584,8 +642,7 @@ class Gateway:
                     r.report_failure.remote(decision.group, str(exc))
                 failed.append(decision.group)
                 if (yielded and not restartable) or len(failed) > MAX_GROUP_RETRIES:
-                    raise err(503, f"worker group {decision.group} failed during the request; retry it",
-                              api) from None
+                    raise err(503, f"worker group {decision.group} failed during the request; retry it", api) from None
                 out = None  # nothing of the failed attempt is billed: the retry starts over
             finally:
                 if router is not None:
@@ -600,12 +657,18 @@ class Gateway:
         c = t.config.cache
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
-    def account(self, t: Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0,
-                read: int = 0) -> None:
+    def account(
+        self, t: Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0
+    ) -> None:
         n_prompt = len(out.prompt_token_ids)
         self.ledger.record(
-            t.name, requests=1, prompt_tokens=n_prompt, cached_tokens=cached,
-            output_tokens=len(out.token_ids), cache_write_tokens=write, cache_read_tokens=read,
+            t.name,
+            requests=1,
+            prompt_tokens=n_prompt,
+            cached_tokens=cached,
+            output_tokens=len(out.token_ids),
+            cache_write_tokens=write,
+            cache_read_tokens=read,
         )
         t.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
 

@@ -12,19 +12,12 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import NoGroup, Overloaded
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
 from router.routing.index import PrefixIndex, clear_bit
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
-
-
-class Overloaded(RuntimeError):
-    """Every group's prefill queue is at its limit: the caller should retry later (HTTP 429)."""
-
-
-class NoGroup(RuntimeError):
-    """No worker group can take a request now (none started, all draining or failed): retry later (HTTP 503)."""
 
 
 @dataclass
@@ -174,8 +167,11 @@ class Router:
     ) -> RouteDecision:
         open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
         if not open_groups:
-            raise NoGroup("no worker group is serving" if not self.loads else
-                          f"no worker group is accepting requests (paused or failed: {sorted(self.loads)})")
+            raise NoGroup(
+                "no worker group is serving"
+                if not self.loads
+                else f"no worker group is accepting requests (paused or failed: {sorted(self.loads)})"
+            )
         cached = self._match_chunks(keys)
         self._decay_recent()
         if self.policy.needs_all_keys:
@@ -189,8 +185,10 @@ class Router:
             else:  # every queue is full: refuse only a tenant that has its share of them queued already
                 share = self.queue_share(tenant)
                 if self.queued_by_tenant.get(tenant, 0) >= share:
-                    raise Overloaded(f"every worker group has {limit} or more prefill tokens queued and this "
-                                     f"tenant has its share ({share}) of them")
+                    raise Overloaded(
+                        f"every worker group has {limit} or more prefill tokens queued and this "
+                        f"tenant has its share ({share}) of them"
+                    )
         group = self.policy.choose(req, open_groups)
         hit = min(cached.get(group, 0) * self.block_size, num_tokens)
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
