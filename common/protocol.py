@@ -24,11 +24,9 @@ import asyncio
 import dataclasses
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias
-
-from ray.actor import ActorHandle
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, group_error
 from common.events import KVEvent
@@ -41,9 +39,11 @@ if TYPE_CHECKING:
 # The actor handles that cross components, named once. A handle's methods are the actor class's: a group's
 # ranks are ``worker.group.RankActor`` (rank 0 is the leader), a router replica is
 # ``router.routing.service.RouterService``, the supervisor is ``router.control.supervisor.Supervisor``.
-RankHandle: TypeAlias = ActorHandle
-RouterHandle: TypeAlias = ActorHandle
-SupervisorHandle: TypeAlias = ActorHandle
+# They are ray.actor.ActorHandle objects, typed Any: ray types a handle's method attributes as Never, so mypy
+# would take the code after every actor call for unreachable and check none of it.
+RankHandle: TypeAlias = Any
+RouterHandle: TypeAlias = Any
+SupervisorHandle: TypeAlias = Any
 
 
 # Unconsumed subscription messages the leader may run ahead by. It must be bounded: only a bounded stream makes
@@ -226,7 +226,7 @@ class GroupLink:
         return type(self._error)(*self._error.args)
 
     async def stream(self, req: Submit, on_silence: OnSilence | None = None,
-                     silence_s: float = 60.0) -> AsyncIterator[RequestOutput]:
+                     silence_s: float = 60.0) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the group produces them. The request is aborted on the group if this stream
         is closed before its end. ``await on_silence()`` runs after every ``silence_s`` without a delta (it may
         raise to end the stream)."""
@@ -308,7 +308,7 @@ class GroupClient:
         return link
 
     async def astream(self, req: Submit, on_silence: OnSilence | None = None,
-                      silence_s: float = 60.0) -> AsyncIterator[RequestOutput]:
+                      silence_s: float = 60.0) -> AsyncGenerator[RequestOutput, None]:
         """One request's outputs over this loop's subscription (see ``GroupLink.stream``); closing it early
         aborts the request now."""
         stream = self.link().stream(req, on_silence, silence_s)
@@ -326,9 +326,12 @@ class GroupClient:
         from ray.exceptions import RayError
 
         req = req.named()
-        outputs, finished = Outputs(req, req.request_id), False
+        rid = req.request_id
+        assert rid is not None
+        outputs, finished = Outputs(req, rid), False
         try:
-            gen = self.leader.generate.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
+            gen = self.leader.generate.options(
+                _generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
             while not finished:  # the leader's stream ends with the request's finish: nothing is read after it
                 ready, _ = ray.wait([gen], timeout=timeout_s)  # a leader that sends nothing fails the wait, too
                 if not ready:
@@ -344,15 +347,15 @@ class GroupClient:
             raise group_error(exc, self.group) from exc
         finally:
             if not finished:  # also after a timeout; a failed group ignores it
-                self.leader.abort.remote(req.request_id)
+                self.leader.abort.remote(rid)
 
     def run(self, req: Submit, timeout_s: float | None = None) -> RequestOutput:
         """One request run to its end (blocking); its last output."""
-        out = None
+        last = None
         for out in self.stream(req, timeout_s):
-            pass
-        assert out is not None
-        return out
+            last = out
+        assert last is not None
+        return last
 
     # -- unary calls -------------------------------------------------------------------------------------------
 

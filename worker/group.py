@@ -3,8 +3,9 @@
 Rank 0 (the leader) owns the scheduler, the block pool and the key map and runs the engine; each step it
 broadcasts the step's plan and every rank computes its shard of the model (``torch.distributed``: NCCL on CUDA,
 gloo on CPU). The router talks to the group through ``WorkerGroup``: stream a request's outputs, abort it,
-read the group's load and drain its KV events (each through its ``GroupClient``, ``common/protocol.py``). If any rank dies the group turns unhealthy, fails its in-flight
-requests with ``GroupUnhealthyError``, and ``restart()`` brings it back as a whole.
+read the group's load and drain its KV events (each through its ``GroupClient``, ``common/protocol.py``). If any
+rank dies the group turns unhealthy, fails its in-flight requests with ``GroupUnhealthyError``, and ``restart()``
+brings it back as a whole.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayError
 from ray.util.placement_group import (
+    PlacementGroup,
     get_placement_group,
     placement_group,
     placement_group_table,
@@ -32,7 +34,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed  # noqa: F401  (re-exported)
-from common.events import AllCleared, BlockStored, EventLog, KVEvent
+from common.events import AllCleared, BlockStored, EventLog, EventSink, KVEvent
 from common.outputs import RequestOutput
 from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
@@ -112,7 +114,7 @@ class RankActor:
             init_tensor_parallel(self.rank, self.world, init_method, backend)
         if self.rank == 0:
             self.step_timeout_s = config.step_timeout_s
-            sink = self.events
+            sink: EventSink = self.events
             if stream_url:
                 from common.event_stream import RedisStreamSink, TeeSink, stream_client
 
@@ -388,7 +390,7 @@ class WorkerGroup:
         self.config = config
         self.ranks: list[RankHandle] = []
         self.rank_info: list[dict] = []
-        self._pg = None
+        self._pg: PlacementGroup | None = None
         self._follows: list[ray.ObjectRef] = []
         self._client: GroupClient | None = None  # of the current leader (a restart makes a new one)
         if start:
@@ -465,14 +467,14 @@ class WorkerGroup:
         node = self._target_node(accel or "CPU")
         # Detached (like the ranks): the group outlives a crash of the supervisor that started it, which
         # adopts it again by name when Ray restarts it. ``shutdown()`` and ``remove_all()`` free them.
-        self._pg = placement_group(
+        pg = self._pg = placement_group(
             [per_rank] * cfg.tp,
             strategy="STRICT_PACK",
             name=pg_name(cfg.name),
             bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
             lifetime="detached",
         )
-        ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
+        ray.get(pg.ready(), timeout=cfg.start_timeout_s)
         actor = ray.remote(RankActor)
         self.ranks = [
             actor.options(
@@ -481,7 +483,7 @@ class WorkerGroup:
                 resources={accel: 1} if accel and accel != "GPU" else None,
                 name=rank_name(cfg.name, r),
                 lifetime="detached",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
             ).remote(r, cfg.tp, cfg.cpus_per_rank)
             for r in range(cfg.tp)
         ]
@@ -515,7 +517,8 @@ class WorkerGroup:
                 best = (free, -groups_on[n["NodeID"]], n["NodeID"])
         if best is None:
             raise RuntimeError(
-                f"worker group {self.config.name!r} needs {self.config.tp} x {resource} on one node; no node has them free"
+                f"worker group {self.config.name!r} needs {self.config.tp} x {resource} on one node; "
+                "no node has them free"
             )
         return best[2]
 

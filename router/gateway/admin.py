@@ -126,6 +126,8 @@ class Admin:
                 last = exc
             except RayError as exc:
                 raise _remote_error(exc) from None
+        if last is None:  # no router replica at all
+            raise _AdminError(503, "no router replica is available; retry shortly")
         raise _remote_error(last) from None
 
     @routes.get("/openapi.json", include_in_schema=False)
@@ -193,6 +195,7 @@ class Admin:
 def create_admin_app(admin: Admin) -> FastAPI:
     """The admin API's ASGI app (the gateway mounts it under ``/admin``)."""
     app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_exception_handler(_AdminError, _admin_error)
+    # Starlette types a handler as taking any Exception; it calls this one only with an _AdminError.
+    app.add_exception_handler(_AdminError, _admin_error)  # type: ignore[arg-type]
     routes.include(app, admin)
     return app

@@ -32,8 +32,9 @@ async def _healthz() -> Response:
 def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
     """The gateway's ASGI app: every tenant's routes bound to ``gateway``, and the admin API under ``/admin``."""
     app = FastAPI(title="kvgrid gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(StoreUnavailable, store_unavailable)
+    # Starlette types a handler as taking any Exception; each is called only with the class it is added for.
+    app.add_exception_handler(ApiError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StoreUnavailable, store_unavailable)  # type: ignore[arg-type]
     app.add_api_route("/-/healthz", _healthz, methods=["GET"], include_in_schema=False)
     if admin is not None:
         app.mount("/admin", admin)  # before the tenant routes: "/{tenant}/..." would take "/admin/..." too

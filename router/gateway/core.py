@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -236,7 +236,8 @@ class SlotStream(StreamingResponse):
 
 # -- a request's outputs ---------------------------------------------------------------------------------------
 
-Run = AsyncIterator[tuple[RequestOutput, int]]  # a request's outputs, each with the tokens the router expected cached
+# A request's outputs, each with the tokens the router expected cached.
+Run = AsyncGenerator[tuple[RequestOutput, int], None]
 Account = Callable[[RequestOutput, int], None]  # records a request's usage from its last output once it ended
 
 
@@ -244,11 +245,11 @@ def no_account(out: RequestOutput, predicted: int) -> None:
     """Internal requests (computing cached content) are recorded by their callers."""
 
 
-async def primed(run: AsyncIterator[T]) -> AsyncIterator[T]:
+async def primed(run: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
     """Start ``run`` now (so its first error surfaces before a response is sent) and return an equivalent."""
     first = await run.__anext__()
 
-    async def rest():
+    async def rest() -> AsyncGenerator[T, None]:
         try:
             yield first
             async for item in run:
@@ -260,11 +261,11 @@ async def primed(run: AsyncIterator[T]) -> AsyncIterator[T]:
 
 
 async def last(run: Run) -> tuple[RequestOutput, int]:
-    out = None
+    final = None
     async for out in run:
-        pass
-    assert out is not None
-    return out
+        final = out
+    assert final is not None
+    return final
 
 
 async def _client_gone(request: Request) -> None:
@@ -277,7 +278,7 @@ async def _client_gone(request: Request) -> None:
         await asyncio.Event().wait()
 
 
-async def watched(request: Request, run: AsyncIterator[T], api: str) -> AsyncIterator[T]:
+async def watched(request: Request, run: AsyncGenerator[T, None], api: str) -> AsyncGenerator[T, None]:
     """``run``'s items until the client disconnects; then ``run`` is stopped (its group request aborted) and a
     499 raised, whatever headers the client sent."""
     gone = asyncio.ensure_future(_client_gone(request))
@@ -323,7 +324,7 @@ async def _bounded(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncIterator[RequestOutput]:
+async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncGenerator[RequestOutput, None]:
     """A group's outputs for one request, its errors as the gateway answers them. A request may wait in a busy
     group's queue for long, so silence alone is no failure: every ``GROUP_SILENCE_S`` without output the leader
     is asked whether the group is healthy (a hung step fails it after ``step_timeout_s``); a group that is
@@ -424,7 +425,7 @@ class Gateway:
                 "when one has finished",
                 api,
             )
-        slot = _Slot(t)
+        slot: _Slot | None = _Slot(t)
         try:
             result = await work
             if isinstance(result, SlotStream):
@@ -623,7 +624,9 @@ class Gateway:
         rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         while True:
             attempt = f"{rid}-{len(failed)}"
-            router = decision = out = None
+            router: RouterHandle | None = None
+            decision: RouteDecision | None = None
+            out: RequestOutput | None = None
             yielded = finished = False
             try:
                 router, decision = await self._route(t, prompt, attempt, failed, api)
@@ -638,6 +641,7 @@ class Gateway:
                         break
                 return
             except GroupFailed as exc:
+                assert decision is not None  # only the group's stream raises it, after routing
                 for r in self.routers:  # no replica should send more requests there
                     r.report_failure.remote(decision.group, str(exc))
                 failed.append(decision.group)
@@ -647,7 +651,7 @@ class Gateway:
             finally:
                 if router is not None:
                     router.on_finish.remote(attempt)  # also when the client left during routing
-                if out is not None:
+                if out is not None and decision is not None:  # an output came from the routed group
                     account(out, decision.cached_tokens)
 
     # -- accounting --------------------------------------------------------------------------------------------

@@ -131,9 +131,10 @@ class OpenAIApi:
             out = None
             async for out, _ in run:
                 if out.delta_text or out.finished:
-                    yield chunk(ChatChunkChoice(delta=ChatDelta(content=out.delta_text), finish_reason=out.finish_reason)
+                    reason = out.finish_reason
+                    yield chunk(ChatChunkChoice(delta=ChatDelta(content=out.delta_text), finish_reason=reason)
                                 if chat else
-                                CompletionChunkChoice(text=out.delta_text, finish_reason=out.finish_reason))
+                                CompletionChunkChoice(text=out.delta_text, finish_reason=reason))
             if out is not None and usage_wanted:
                 yield chunk(None, self._usage(t, out))
         except ApiError as exc:

@@ -79,11 +79,10 @@ def _string_or_parts(schema: dict[str, Any]) -> None:
         schema["anyOf"] = [string, {k: schema.pop(k) for k in ("type", "items", "maxItems")}]
 
 
-def _content(part: type[BaseModel], optional: bool = False) -> Any:
-    """The type of a message content: a string or a list of ``part``, or null when ``optional``."""
-    parts = Annotated[list[part], Field(max_length=MAX_PARTS)]
-    return Annotated[parts | None if optional else parts, BeforeValidator(_as_parts),
-                     Field(None if optional else ..., json_schema_extra=_string_or_parts)]
+# A message content: a string or a list of content parts (a string becomes one text part), or null where the
+# field has the default None. An OpenAI message's parts are TextParts; an Anthropic message's, ContentBlocks.
+TextParts = Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+ChatContent = Annotated[TextParts | None, BeforeValidator(_as_parts), Field(json_schema_extra=_string_or_parts)]
 
 
 def _one_or_list(value: Any) -> Any:
@@ -114,7 +113,7 @@ Prompt = Annotated[
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: _content(TextPart, optional=True)
+    content: ChatContent = None
     name: Name | None = None
     tool_call_id: Name | None = None
 
@@ -185,9 +184,14 @@ class ContentBlock(_Body):
     cache_control: CacheControl | None = None
 
 
+Blocks = Annotated[list[ContentBlock], Field(max_length=MAX_PARTS)]
+AnthropicContent = Annotated[Blocks, BeforeValidator(_as_parts), Field(json_schema_extra=_string_or_parts)]
+AnthropicSystem = Annotated[Blocks | None, BeforeValidator(_as_parts), Field(json_schema_extra=_string_or_parts)]
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: _content(ContentBlock)
+    content: AnthropicContent
 
 
 class AnthropicTool(_Body):
@@ -205,7 +209,7 @@ class MessagesRequest(_Body):
     model: Name
     max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: _content(ContentBlock, optional=True)
+    system: AnthropicSystem = None
     tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -17,7 +17,8 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -82,7 +83,7 @@ class IngressServer:
         host: str,
         port: int,
         limit_concurrency: int,
-        on_stop: Callable[[], Awaitable[None]] | None = None,
+        on_stop: Callable[[], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self._make_app, self._address, self._on_stop = make_app, (host, port), on_stop
         self._sock: socket.socket | None = None

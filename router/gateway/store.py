@@ -227,7 +227,8 @@ class UsageLedger:
                 self._sending, self._pending = (self._seq, self._pending), {}
             batch = self._sending
             seq, counts = batch
-            keys, args = [self._seq_key], [seq]
+            keys = [self._seq_key]
+            args: list[str | int] = [seq]
             for tenant, fields in counts.items():
                 for field, n in fields.items():
                     keys.append(f"kvgrid:usage:{tenant}")

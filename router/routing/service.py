@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 from router.routing.router import RouteDecision, Router
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
-
-    from common.protocol import RankHandle
+    from common.protocol import RankHandle, SupervisorHandle
 
 REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
 GROUP_CALL_TIMEOUT_S = 30.0  # a group's leader that does not hand over its events within this is skipped
@@ -67,8 +65,8 @@ class RouterService:
         import ray
 
         try:
-            listed: ObjectRef[dict[str, RankHandle]] = ray.get_actor(supervisor).serving_groups.remote()
-            groups = ray.get(listed, timeout=GROUP_CALL_TIMEOUT_S / 3)
+            handle: SupervisorHandle = ray.get_actor(supervisor)
+            groups: dict[str, RankHandle] = ray.get(handle.serving_groups.remote(), timeout=GROUP_CALL_TIMEOUT_S / 3)
         except Exception as exc:
             _log.warning("router replica restarted; the supervisor did not list the groups (%s)", type(exc).__name__)
             return
