@@ -9,8 +9,12 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.config import ServeConfig, load_config
+
+if TYPE_CHECKING:
+    from common.protocol import RouterHandle, SupervisorHandle
 
 
 def _start_redis(url: str | None):
@@ -86,7 +90,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
     model_path = str(resolve_model(cfg.model))
     secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
     url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
-    supervisor = None
+    supervisor: SupervisorHandle | None = None
     try:
         init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
         import ray
@@ -103,7 +107,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         )
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
-        routers = [
+        routers: list[RouterHandle] = [
             # Ray restarts a dead replica; the supervisor hands it the groups again (see RouterService).
             ray.remote(RouterService).options(
                 name=f"kvgrid-router-{i}", scheduling_strategy="SPREAD", max_restarts=-1, **front,
@@ -151,8 +155,7 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
-        # The routers follow the groups' events from now on (poll.remote: see supervisor.scale above).
-        ray.get([r.poll.remote() for r in routers])  # type: ignore[attr-defined]
+        ray.get([r.poll.remote() for r in routers])  # the routers follow the groups' events from now on
         stop.wait()
         print("shutting down", flush=True)
         return 0
