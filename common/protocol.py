@@ -93,11 +93,18 @@ class Delta:
     def of(cls, out: RequestOutput) -> Delta:
         n_old = len(out.token_ids) - len(out.new_token_ids)
         return cls(
-            out.request_id, out.new_token_ids, out.delta_text, out.finished, out.finish_reason,
-            out.num_cached_tokens, out.num_pinned_tokens,
+            out.request_id,
+            out.new_token_ids,
+            out.delta_text,
+            out.finished,
+            out.finish_reason,
+            out.num_cached_tokens,
+            out.num_pinned_tokens,
             None if out.logprobs is None else out.logprobs[n_old:],
             None if out.top_logprobs is None else out.top_logprobs[n_old:],
-            out.ttft, out.stop_reason, out.error,
+            out.ttft,
+            out.stop_reason,
+            out.error,
         )
 
     @classmethod
@@ -118,7 +125,7 @@ class _StreamedOutput(RequestOutput):
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = "".join(self._chunks[:self._n])
+            self._text = "".join(self._chunks[: self._n])
         return self._text
 
     @text.setter
@@ -158,13 +165,22 @@ class Outputs:
                 self.top_logprobs = []
             self.top_logprobs.extend(d.top_logprobs)
         return _StreamedOutput(
-            request_id=self.request_id, tenant=self.tenant, prompt_token_ids=self.prompt,
-            token_ids=self.token_ids, text=None, new_token_ids=d.new_token_ids, delta_text=d.delta_text,
-            finished=d.finished, finish_reason=d.finish_reason, num_cached_tokens=d.num_cached_tokens,
+            request_id=self.request_id,
+            tenant=self.tenant,
+            prompt_token_ids=self.prompt,
+            token_ids=self.token_ids,
+            text=None,
+            new_token_ids=d.new_token_ids,
+            delta_text=d.delta_text,
+            finished=d.finished,
+            finish_reason=d.finish_reason,
+            num_cached_tokens=d.num_cached_tokens,
             num_pinned_tokens=d.num_pinned_tokens,
             logprobs=None if d.logprobs is None else self.logprobs,
             top_logprobs=None if d.top_logprobs is None else self.top_logprobs,
-            ttft=d.ttft, stop_reason=d.stop_reason, chunks=self.chunks,
+            ttft=d.ttft,
+            stop_reason=d.stop_reason,
+            chunks=self.chunks,
         )
 
 
@@ -192,8 +208,9 @@ class GroupLink:
         import ray
 
         error: Exception = GroupUnhealthyError(f"worker group {self.group!r} closed its subscription")
-        gen = self.leader.subscribe.options(
-            _generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(self.id)
+        gen = self.leader.subscribe.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(
+            self.id
+        )
         try:
             async for ref in gen:
                 batch = await ref
@@ -225,8 +242,9 @@ class GroupLink:
         assert self._error is not None
         return type(self._error)(*self._error.args)
 
-    async def stream(self, req: Submit, on_silence: OnSilence | None = None,
-                     silence_s: float = 60.0) -> AsyncGenerator[RequestOutput, None]:
+    async def stream(
+        self, req: Submit, on_silence: OnSilence | None = None, silence_s: float = 60.0
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the group produces them. The request is aborted on the group if this stream
         is closed before its end. ``await on_silence()`` runs after every ``silence_s`` without a delta (it may
         raise to end the stream)."""
@@ -307,8 +325,9 @@ class GroupClient:
             link = self._links[loop] = GroupLink(self.group, self.leader)
         return link
 
-    async def astream(self, req: Submit, on_silence: OnSilence | None = None,
-                      silence_s: float = 60.0) -> AsyncGenerator[RequestOutput, None]:
+    async def astream(
+        self, req: Submit, on_silence: OnSilence | None = None, silence_s: float = 60.0
+    ) -> AsyncGenerator[RequestOutput, None]:
         """One request's outputs over this loop's subscription (see ``GroupLink.stream``); closing it early
         aborts the request now."""
         stream = self.link().stream(req, on_silence, silence_s)
@@ -330,16 +349,18 @@ class GroupClient:
         assert rid is not None
         outputs, finished = Outputs(req, rid), False
         try:
-            gen = self.leader.generate.options(
-                _generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(req)
+            gen = self.leader.generate.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(
+                req
+            )
             while not finished:  # the leader's stream ends with the request's finish: nothing is read after it
                 ready, _ = ray.wait([gen], timeout=timeout_s)  # a leader that sends nothing fails the wait, too
                 if not ready:
                     raise GroupUnhealthyError(f"worker group {self.group!r} sent no output for {timeout_s:g} s")
                 ref = next(gen, None)
                 if ref is None:
-                    raise GroupUnhealthyError(f"worker group {self.group!r} ended the stream before the request "
-                                              "finished")
+                    raise GroupUnhealthyError(
+                        f"worker group {self.group!r} ended the stream before the request finished"
+                    )
                 for d in ray.get(ref):
                     finished = d.finished
                     yield outputs.advance(d)

@@ -178,8 +178,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.n = 0
         self.now = 0.0
 
-    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 8), tail=st.lists(st.integers(0, 3), max_size=9),
-          tenant=st.sampled_from(sorted(ROOTS)))
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(1, 8),
+        tail=st.lists(st.integers(0, 3), max_size=9),
+        tenant=st.sampled_from(sorted(ROOTS)),
+    )
     def admit(self, base: list[int], cut: int, tail: list[int], tenant: str) -> None:
         seq = make_seq(f"r{self.n}", base[:cut] + tail, ROOTS[tenant], tenant)
         self.n += 1
@@ -243,8 +247,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert b.key == key
         assert len(queued) == pool.num_free
         for tenant in ROOTS:  # per-tenant residency, which eviction uses: blocks in use by it or caching its keys
-            assert pool.resident[tenant] == sum(1 for b in pool.blocks
-                                                if (b.key is not None or b.ref_cnt) and b.tenant == tenant)
+            assert pool.resident[tenant] == sum(
+                1 for b in pool.blocks if (b.key is not None or b.ref_cnt) and b.tenant == tenant
+            )
         for tenant, q in pool.cached_queues.items():
             assert all(b.key is not None and b.tenant == tenant and b.ref_cnt == 0 for b in q)
 

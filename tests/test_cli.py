@@ -41,8 +41,9 @@ def test_bad_model_path_exits_2_with_a_message(tmp_path):
 
 def test_serve_with_an_invalid_config_exits_2_naming_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: demo\ngroups: 2\ntenants:\n  - name: acme\n    api_keys: [sk-acme-123]\n"
-                   "    cache: {mode: sometimes}\n")
+    bad.write_text(
+        "model: demo\ngroups: 2\ntenants:\n  - name: acme\n    api_keys: [sk-acme-123]\n    cache: {mode: sometimes}\n"
+    )
     out = kvgrid("serve", "--config", str(bad))
     assert out.returncode == 2
     assert "tenants.0.cache.mode" in out.stderr

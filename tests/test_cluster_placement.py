@@ -14,8 +14,12 @@ def two_nodes():
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 3, "resources": {"fake_gpu": 2}, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 3,
+            "resources": {"fake_gpu": 2},
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
     )
     cluster.add_node(num_cpus=3, resources={"fake_gpu": 2}, node_ip_address="127.0.0.1")
     ray.init(address=cluster.address, log_to_driver=False)
@@ -46,4 +50,3 @@ def test_tp2_groups_land_whole_on_one_node_and_spread_over_nodes(two_nodes, demo
     finally:
         a.shutdown()
         b.shutdown()
-

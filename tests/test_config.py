@@ -49,8 +49,10 @@ def test_the_documented_example_loads(tmp_path):
         (("groups: 2", "groups: 2\nadmin_keys: [short]"), "admin_keys"),
         (("groups: 2", "groups: 2\nmax_groups: 1"), "max_groups must be >= groups"),
         (("default_ttl: 5m", "default_ttl: 5m, share: 0"), "tenants.1.cache.share"),
-        (("cache: {mode: explicit, default_ttl: 5m}", "limits: {requests_per_s: 0}"),
-         "tenants.1.limits.requests_per_s"),
+        (
+            ("cache: {mode: explicit, default_ttl: 5m}", "limits: {requests_per_s: 0}"),
+            "tenants.1.limits.requests_per_s",
+        ),
         (("cache: {mode: explicit, default_ttl: 5m}", "limits: {burst: 3}"), "tenants.1.limits.burst"),
         (("groups: 2", "groups: 2\ncpus_per_rank: 0"), "cpus_per_rank"),
         (("groups: 2", "groups: 2\ncuda_graphs: sometimes"), "cuda_graphs"),
@@ -63,7 +65,8 @@ def test_invalid_config_names_the_field(tmp_path, change, field):
 
 def test_an_admin_key_cannot_be_a_tenant_key(tmp_path):
     text = GOOD.replace("api_keys: [sk-acme-1]", "api_keys: [sk-acme-1-long-enough]").replace(
-        "groups: 2", "groups: 2\nadmin_keys: [sk-acme-1-long-enough]")
+        "groups: 2", "groups: 2\nadmin_keys: [sk-acme-1-long-enough]"
+    )
     with pytest.raises(ConfigError, match="admin key cannot also be a tenant's API key"):
         load_config(write(tmp_path, text))
 

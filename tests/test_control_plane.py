@@ -55,8 +55,9 @@ class Head:
     """A local Ray cluster (head node on 127.0.0.1) that outlives the server joined to it."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ
+        )
         self.address = self.proc.stdout.readline().strip()
         assert self.address, "the Ray head did not start"
 
@@ -80,13 +81,18 @@ def cluster(tmp_path_factory):
     head = Head()
     redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
     port = free_port()
-    config = write_config(tmp_path_factory.mktemp("serve"), port, f"""
+    config = write_config(
+        tmp_path_factory.mktemp("serve"),
+        port,
+        f"""
 router_replicas: 2
 kv_cache_bytes: 33554432
 admin_keys: [{ADMIN_KEY}]
-{TWO_TENANTS}""")
-    server = Server(config, redis_server.url, port, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)],
-                    args=["--address", head.address])
+{TWO_TENANTS}""",
+    )
+    server = Server(
+        config, redis_server.url, port, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)], args=["--address", head.address]
+    )
     try:
         server.start()
         yield head, redis_server, server
@@ -110,8 +116,9 @@ def control(server) -> dict:
 
 
 def scale(server, **body) -> httpx.Response:
-    return httpx.post(f"{server.base}/admin/v1/scale", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, json=body,
-                      timeout=600)
+    return httpx.post(
+        f"{server.base}/admin/v1/scale", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, json=body, timeout=600
+    )
 
 
 def answering(server) -> dict | None:
@@ -177,8 +184,10 @@ class Load:
         return all(c >= n for c in self.completed_since(t).values())
 
     def assert_nothing_lost(self) -> None:
-        print(f"load: {({t: len(v) for t, v in self.ok.items()})} completed, {len(self.errors)} retryable "
-              f"errors {self.errors[:3]}")
+        print(
+            f"load: { ({t: len(v) for t, v in self.ok.items()}) } completed, {len(self.errors)} retryable "
+            f"errors {self.errors[:3]}"
+        )
         assert not self.lost, self.lost[:5]
         for status, message, retry_after in self.errors:  # only clear, retryable errors
             if status == 0:
@@ -201,8 +210,11 @@ def test_a_killed_supervisor_restarts_and_adopts_the_running_groups(server):
     with Load(server) as load:
         os.kill(before["supervisor"]["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        after = wait_for(lambda: (b := answering(server)) and b["supervisor"]["pid"] != before["supervisor"]["pid"]
-                         and b, RECOVERY_S, "the admin API to answer with a new supervisor")
+        after = wait_for(
+            lambda: (b := answering(server)) and b["supervisor"]["pid"] != before["supervisor"]["pid"] and b,
+            RECOVERY_S,
+            "the admin API to answer with a new supervisor",
+        )
         print(f"supervisor back after {time.monotonic() - killed_at:.1f} s")
         wait_for(lambda: load.both_served_since(killed_at), RECOVERY_S, "both tenants to be served after the kill")
     load.assert_nothing_lost()
@@ -211,8 +223,13 @@ def test_a_killed_supervisor_restarts_and_adopts_the_running_groups(server):
     assert all(g["state"] == "serving" and g["restarts"] == 0 for g in after["groups"])
     assert after["supervisor"]["restarted"] is True
     assert cached_tokens(server) > 0  # their caches survived too
-    listed = subprocess.run([sys.executable, "-m", "router.cli", "groups", "--url", server.base], text=True,
-                            capture_output=True, timeout=120, env={**os.environ, "KVGRID_ADMIN_KEY": ADMIN_KEY})
+    listed = subprocess.run(
+        [sys.executable, "-m", "router.cli", "groups", "--url", server.base],
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "KVGRID_ADMIN_KEY": ADMIN_KEY},
+    )
     assert listed.returncode == 0 and listed.stdout.count("serving") == 2, listed.stderr
 
 
@@ -250,9 +267,11 @@ def test_losing_every_router_replica_recovers_within_30_s(server):
         wait_for(lambda: load.both_served_since(killed_at), RECOVERY_S, "both tenants to be served again")
         print(f"served again after {time.monotonic() - killed_at:.1f} s")
     load.assert_nothing_lost()
-    after = wait_for(lambda: (b := answering(server)) and all(r and r["groups"] == ["g0", "g1"]
-                                                                for r in b["routers"]) and b,
-                     RECOVERY_S, "both replicas to know both groups")
+    after = wait_for(
+        lambda: (b := answering(server)) and all(r and r["groups"] == ["g0", "g1"] for r in b["routers"]) and b,
+        RECOVERY_S,
+        "both replicas to know both groups",
+    )
     assert {r["pid"] for r in after["routers"]}.isdisjoint(r["pid"] for r in before["routers"])
     assert cached_tokens(server) > 0
 
@@ -278,10 +297,15 @@ def test_routing_goes_on_while_redis_is_stopped_and_catches_up_after(cluster):
     # full, so each new block evicts a cached one and the count stays where it was.
     prompt = [random.randrange(100, 2000) for _ in range(85)]  # 5 full blocks
     oa(server).completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
-    wait_for(lambda: 5 in ray.get(replica.held.remote("acme", prompt)).values(), RECOVERY_S,
-             "the replica to catch up on new events")
-    print(f"replica 0's index: {held_while_stopped} keys while Redis was stopped, "
-          f"{ray.get(replica.index_key_counts.remote())} after")
+    wait_for(
+        lambda: 5 in ray.get(replica.held.remote("acme", prompt)).values(),
+        RECOVERY_S,
+        "the replica to catch up on new events",
+    )
+    print(
+        f"replica 0's index: {held_while_stopped} keys while Redis was stopped, "
+        f"{ray.get(replica.index_key_counts.remote())} after"
+    )
 
 
 def test_a_drain_of_a_hung_group_ends_at_its_timeout_and_frees_the_group(cluster):

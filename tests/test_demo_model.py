@@ -47,9 +47,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def models(folders: dict[str, Path]) -> dict[str, torch.nn.Module]:
-    return {
-        v: AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval() for v, d in folders.items()
-    }
+    return {v: AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval() for v, d in folders.items()}
 
 
 def _read(folder: Path, name: str) -> dict:

@@ -14,10 +14,18 @@ def test_gateway_replicas_spread_over_the_frontend_cpu_nodes_and_never_on_a_gpu_
     from harness import free_port
     from router.control.serve import FRONTEND_RESOURCE, frontend_actor_options
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"fake_gpu": 2}, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    front = [cluster.add_node(num_cpus=2, resources={FRONTEND_RESOURCE: 10}, node_ip_address="127.0.0.1")
-             for _ in range(2)]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "resources": {"fake_gpu": 2},
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
+    front = [
+        cluster.add_node(num_cpus=2, resources={FRONTEND_RESOURCE: 10}, node_ip_address="127.0.0.1") for _ in range(2)
+    ]
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         cluster.wait_for_nodes()

@@ -55,8 +55,7 @@ admin_keys: [{ADMIN_KEY}]
     api_keys: [{UMBRELLA_KEY}]
     limits: {{max_inflight_requests: 2, max_cached_contents: 2}}
 """
-    srv = Server(write_config(tmp_path_factory.mktemp("serve"), port, body), redis_server.url, port,
-                 list(KEYS.items()))
+    srv = Server(write_config(tmp_path_factory.mktemp("serve"), port, body), redis_server.url, port, list(KEYS.items()))
     try:
         srv.start()
         yield srv, redis_server
@@ -87,14 +86,30 @@ def _running(server) -> int:
 
 
 def _completion(server, tenant: str, prompt: str, max_tokens: int, timeout: float = 120, **kw) -> httpx.Response:
-    return httpx.post(f"{server.base}/{tenant}/v1/completions", headers={**_h(tenant), **kw.pop("headers", {})},
-                      json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw},
-                      timeout=timeout)
+    return httpx.post(
+        f"{server.base}/{tenant}/v1/completions",
+        headers={**_h(tenant), **kw.pop("headers", {})},
+        json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw},
+        timeout=timeout,
+    )
 
 
 def test_no_unauthenticated_route_lists_a_tenant(server):
-    for path in ("/-/routes", "/-/healthz", "/docs", "/redoc", "/openapi.json", "/acme/docs", "/acme/openapi.json",
-                 "/acme/redoc", "/globex/docs", "/admin/docs", "/admin/openapi.json", "/admin/redoc", "/acme"):
+    for path in (
+        "/-/routes",
+        "/-/healthz",
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+        "/acme/docs",
+        "/acme/openapi.json",
+        "/acme/redoc",
+        "/globex/docs",
+        "/admin/docs",
+        "/admin/openapi.json",
+        "/admin/redoc",
+        "/acme",
+    ):
         r = httpx.get(server.base + path, timeout=30)
         for tenant in KEYS:
             assert tenant not in r.text, (path, r.status_code, r.text[:300])
@@ -107,13 +122,20 @@ def test_no_unauthenticated_route_lists_a_tenant(server):
 
 def test_an_unknown_tenant_gets_the_same_401_as_a_wrong_key(server):
     body = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    for method, path, json in (("POST", "/v1/chat/completions", body), ("POST", "/v1/messages", body),
-                               ("GET", "/v1/models", None), ("GET", "/v1/cachedContents", None),
-                               ("PATCH", "/v1/cachedContents/abc", {"ttl": "60s"}), ("GET", "/metrics", None)):
-        wrong_key = httpx.request(method, f"{server.base}/acme{path}", json=json, timeout=30,
-                                  headers={"x-api-key": "sk-not-a-key-at-all"})
-        unknown = httpx.request(method, f"{server.base}/nosuchtenant{path}", json=json, timeout=30,
-                                headers={"x-api-key": ACME_KEY})
+    for method, path, json in (
+        ("POST", "/v1/chat/completions", body),
+        ("POST", "/v1/messages", body),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/cachedContents", None),
+        ("PATCH", "/v1/cachedContents/abc", {"ttl": "60s"}),
+        ("GET", "/metrics", None),
+    ):
+        wrong_key = httpx.request(
+            method, f"{server.base}/acme{path}", json=json, timeout=30, headers={"x-api-key": "sk-not-a-key-at-all"}
+        )
+        unknown = httpx.request(
+            method, f"{server.base}/nosuchtenant{path}", json=json, timeout=30, headers={"x-api-key": ACME_KEY}
+        )
         assert wrong_key.status_code == unknown.status_code == 401, (path, wrong_key.text, unknown.text)
         assert wrong_key.json() == unknown.json(), path
         assert dict(wrong_key.headers).keys() == dict(unknown.headers).keys(), path
@@ -158,16 +180,19 @@ def test_twelve_concurrent_streams_start_promptly_and_models_stays_fast(server):
     base_models = statistics.median(models_latency() for _ in range(5))
     base_first, base_total = first_token_after(client, "Baseline: how much is a bike?", 256)
     with ThreadPoolExecutor(13) as pool:
-        streams = [pool.submit(first_token_after, client, f"Stream {i}: tell me about the bikes.", 256)
-                   for i in range(12)]
+        streams = [
+            pool.submit(first_token_after, client, f"Stream {i}: tell me about the bikes.", 256) for i in range(12)
+        ]
         time.sleep(0.5)
         during = [models_latency() for _ in range(3)]
         results = [f.result() for f in streams]
     firsts = sorted(f for f, _ in results)
     totals = [t for _, t in results]
-    print(f"baseline: models {base_models:.3f}s, first token {base_first:.2f}s, stream {base_total:.2f}s; "
-          f"12 streams: first tokens {firsts[0]:.2f}..{firsts[-1]:.2f}s, streams up to {max(totals):.2f}s; "
-          f"models during: {[round(x, 3) for x in during]}")
+    print(
+        f"baseline: models {base_models:.3f}s, first token {base_first:.2f}s, stream {base_total:.2f}s; "
+        f"12 streams: first tokens {firsts[0]:.2f}..{firsts[-1]:.2f}s, streams up to {max(totals):.2f}s; "
+        f"models during: {[round(x, 3) for x in during]}"
+    )
     # With Ray Serve's default of 5 ongoing requests, 7 streams waited for earlier ones to finish completely.
     assert firsts[-1] < statistics.median(totals) / 2 and firsts[-1] < max(10 * base_first, 5.0), firsts
     assert max(during) < max(20 * base_models, 3.0), during  # it took 3.8-16 s with Serve's default
@@ -178,18 +203,30 @@ def test_disconnected_non_streaming_requests_stop_generating(server):
 
     def abandoned(i: int) -> None:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            _completion(server, "acme", f"Abandoned request {i}: the harbour ferry", ABANDONED, timeout=6,
-                        headers={"x-request-disconnect-disabled": "?1"})
+            _completion(
+                server,
+                "acme",
+                f"Abandoned request {i}: the harbour ferry",
+                ABANDONED,
+                timeout=6,
+                headers={"x-request-disconnect-disabled": "?1"},
+            )
 
     threads = [threading.Thread(target=abandoned, args=(i,)) for i in range(3)]
     for th in threads:
         th.start()
     with httpx.Client(timeout=60) as client:  # and a stream, left after its first token
-        with client.stream("POST", f"{server.base}/acme/v1/completions",
-                           headers={**_h("acme"), "x-request-disconnect-disabled": "?1"},
-                           json={"model": "demo", "prompt": "Abandoned stream: the harbour ferry",
-                                 "max_tokens": ABANDONED,
-                                 "stream": True}) as resp:
+        with client.stream(
+            "POST",
+            f"{server.base}/acme/v1/completions",
+            headers={**_h("acme"), "x-request-disconnect-disabled": "?1"},
+            json={
+                "model": "demo",
+                "prompt": "Abandoned stream: the harbour ferry",
+                "max_tokens": ABANDONED,
+                "stream": True,
+            },
+        ) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")
             wait_for(lambda: _running(server) >= 4, 5, "the requests to run")
@@ -209,8 +246,13 @@ def test_a_group_restarted_between_identical_cache_control_requests_reads_nothin
     system = [{"type": "text", "text": "Restart check. " + SYSTEM, "cache_control": {"type": "ephemeral"}}]
 
     def ask():
-        return client.messages.create(model="demo", max_tokens=4, system=system, extra_body={"temperature": 0},
-                                      messages=[{"role": "user", "content": "When do you open?"}])
+        return client.messages.create(
+            model="demo",
+            max_tokens=4,
+            system=system,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": "When do you open?"}],
+        )
 
     first = ask()
     assert first.usage.cache_creation_input_tokens > 0 and first.usage.cache_read_input_tokens == 0
@@ -218,28 +260,46 @@ def test_a_group_restarted_between_identical_cache_control_requests_reads_nothin
     before = _groups(server)
     for g in before.values():  # every group: wherever the next request goes, its cache is empty
         os.kill(g["ranks"][0]["pid"], signal.SIGKILL)
-    wait_for(lambda: all(g["restarts"] > before[n]["restarts"] and g["state"] == "serving"
-                          for n, g in _groups(server).items()), 180, "the groups to restart")
+    wait_for(
+        lambda: all(
+            g["restarts"] > before[n]["restarts"] and g["state"] == "serving" for n, g in _groups(server).items()
+        ),
+        180,
+        "the groups to restart",
+    )
     again = ask()  # the Redis entry still lives, the blocks do not
     assert again.usage.cache_read_input_tokens == 0
     assert again.usage.cache_creation_input_tokens == first.usage.cache_creation_input_tokens
-    with client.messages.stream(model="demo", max_tokens=4, system=system, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": "When do you open?"}]) as stream:
+    with client.messages.stream(
+        model="demo",
+        max_tokens=4,
+        system=system,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "When do you open?"}],
+    ) as stream:
         streamed = stream.get_final_message()
     assert streamed.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens  # re-pinned: real
 
 
 def test_patch_is_rate_limited_and_billed(server):
     base = f"{server.base}/initech/v1/cachedContents"
-    r = httpx.post(base, headers=_h("initech"), timeout=120,
-                   json={"contents": [{"parts": [{"text": "The ferry timetable. " * 20}]}], "ttl": "600s"})
+    r = httpx.post(
+        base,
+        headers=_h("initech"),
+        timeout=120,
+        json={"contents": [{"parts": [{"text": "The ferry timetable. " * 20}]}], "ttl": "600s"},
+    )
     assert r.status_code == 200, r.text
     cid, tokens = r.json()["name"].removeprefix("cachedContents/"), r.json()["usageMetadata"]["totalTokenCount"]
     time.sleep(1.1)  # a fresh one-second window
     before = read_usage(redis.Redis.from_url(server.redis_url), "initech")
     with ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda _: httpx.patch(f"{base}/{cid}", headers=_h("initech"), json={"ttl": "300s"},
-                                                      timeout=120), range(8)))
+        replies = list(
+            pool.map(
+                lambda _: httpx.patch(f"{base}/{cid}", headers=_h("initech"), json={"ttl": "300s"}, timeout=120),
+                range(8),
+            )
+        )
     codes = [x.status_code for x in replies]
     ok = codes.count(200)
     assert set(codes) <= {200, 429} and 1 <= ok <= 2 and codes.count(429) >= 6, codes
@@ -247,8 +307,10 @@ def test_patch_is_rate_limited_and_billed(server):
 
     def billed() -> bool:
         after = read_usage(redis.Redis.from_url(server.redis_url), "initech")
-        return (after["requests"] - before["requests"] == ok and
-                after["prompt_tokens"] - before["prompt_tokens"] == ok * tokens)
+        return (
+            after["requests"] - before["requests"] == ok
+            and after["prompt_tokens"] - before["prompt_tokens"] == ok * tokens
+        )
 
     wait_for(billed, 10, "the PATCH to be billed")
 
@@ -278,8 +340,7 @@ def test_in_flight_limit_gives_429_with_retry_after_for_that_tenant_only(server)
     with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2:
         held = []
         for c in (c1, c2):
-            cm = c.stream("POST", f"{server.base}/umbrella/v1/completions", headers=_h("umbrella"),
-                          json=stream_body())
+            cm = c.stream("POST", f"{server.base}/umbrella/v1/completions", headers=_h("umbrella"), json=stream_body())
             resp = cm.__enter__()
             assert resp.status_code == 200
             lines = resp.iter_lines()  # kept: dropping it would close the connection
@@ -291,14 +352,18 @@ def test_in_flight_limit_gives_429_with_retry_after_for_that_tenant_only(server)
         assert _completion(server, "acme", "Another tenant is not limited", 2).status_code == 200
         for cm, _ in held:
             cm.__exit__(None, None, None)
-    wait_for(lambda: _completion(server, "umbrella", "A place is free again", 2).status_code == 200, 10,
-              "the in-flight places to be released")
+    wait_for(
+        lambda: _completion(server, "umbrella", "A place is free again", 2).status_code == 200,
+        10,
+        "the in-flight places to be released",
+    )
 
 
 def test_a_killed_router_replica_is_skipped(server):
     assert server.proc is not None
-    routers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if "RouterService" in " ".join(p.cmdline())]
+    routers = [
+        p for p in psutil.Process(server.proc.pid).children(recursive=True) if "RouterService" in " ".join(p.cmdline())
+    ]
     assert len(routers) == 2, routers
     routers[0].kill()
     routers[0].wait(30)
@@ -316,8 +381,12 @@ def test_a_killed_router_replica_is_skipped(server):
 def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
     server, redis_server = stack
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
-    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
-                   json={"contents": [{"parts": [{"text": "Kept through a Redis pause. " * 10}]}], "ttl": "600s"})
+    r = httpx.post(
+        f"{server.base}/acme/v1/cachedContents",
+        headers=acme,
+        timeout=120,
+        json={"contents": [{"parts": [{"text": "Kept through a Redis pause. " * 10}]}], "ttl": "600s"},
+    )
     assert r.status_code == 200, r.text
     cc = r.json()["name"]
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
@@ -328,10 +397,23 @@ def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
         assert needs_redis.status_code == 503 and needs_redis.headers.get("retry-after"), needs_redis.text
         assert took < 5, took
         t = time.monotonic()
-        marked = httpx.post(f"{server.base}/globex/v1/messages", headers={"x-api-key": GLOBEX_KEY}, timeout=30,
-                            json={"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
-                                {"type": "text", "text": "Paused. " + SYSTEM,
-                                 "cache_control": {"type": "ephemeral"}}]}]})
+        marked = httpx.post(
+            f"{server.base}/globex/v1/messages",
+            headers={"x-api-key": GLOBEX_KEY},
+            timeout=30,
+            json={
+                "model": "demo",
+                "max_tokens": 2,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Paused. " + SYSTEM, "cache_control": {"type": "ephemeral"}}
+                        ],
+                    }
+                ],
+            },
+        )
         assert marked.status_code == 503 and marked.json()["type"] == "error", marked.text
         assert time.monotonic() - t < 5
         # Auth is in memory and acme has no Redis-backed limit: plain completions go on.
@@ -341,8 +423,11 @@ def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
         print(f"paused Redis: 503 in {took:.2f}s, plain completion in {time.monotonic() - t:.2f}s")
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    wait_for(lambda: httpx.get(f"{server.base}/acme/v1/{cc}", headers=acme, timeout=30).status_code == 200, 10,
-              "cached content to be readable again")
+    wait_for(
+        lambda: httpx.get(f"{server.base}/acme/v1/{cc}", headers=acme, timeout=30).status_code == 200,
+        10,
+        "cached content to be readable again",
+    )
     assert chat(oa(server), "And after the pause?").choices[0].finish_reason in ("length", "stop")
     usage = read_usage(redis.Redis.from_url(server.redis_url), "acme")
     assert usage["requests"] > 0

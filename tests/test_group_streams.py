@@ -21,8 +21,14 @@ LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 def ray_local():
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=128 * 2**20, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 * 2**20,
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -31,8 +37,9 @@ def ray_local():
 def group(ray_local, demo_path):
     from worker.group import GroupConfig, WorkerGroup
 
-    g = WorkerGroup(GroupConfig("g-streams", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"),
-                                cpus_per_rank=2))
+    g = WorkerGroup(
+        GroupConfig("g-streams", EngineConfig(model=str(demo_path), device="cpu", secret=b"s"), cpus_per_rank=2)
+    )
     yield g
     g.shutdown()
 
@@ -47,8 +54,12 @@ def wait_idle(group, timeout_s: float = 20.0) -> None:
 def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_batched(group):
     rng = random.Random(3)
     prompts = [[rng.randrange(4000) for _ in range(rng.randrange(4, 80))] for _ in range(24)]
-    params = [SamplingParams(max_tokens=rng.randrange(3, 30), temperature=0.0, ignore_eos=i % 2 == 0,
-                             logprobs=2 if i % 3 == 0 else None) for i in range(24)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randrange(3, 30), temperature=0.0, ignore_eos=i % 2 == 0, logprobs=2 if i % 3 == 0 else None
+        )
+        for i in range(24)
+    ]
     probe = group.generate(prompts[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     params[0] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[probe.text[8:11]])
     params[1] = SamplingParams(max_tokens=12, temperature=0.7, seed=11)
@@ -68,14 +79,20 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
         last = outs[-1]
         assert last.finished and [o.finished for o in outs].count(True) == 1
         assert (last.token_ids, last.text, last.finish_reason, last.stop_reason, last.prompt_token_ids) == (
-            ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason, ref.prompt_token_ids)
+            ref.token_ids,
+            ref.text,
+            ref.finish_reason,
+            ref.stop_reason,
+            ref.prompt_token_ids,
+        )
         if ref.logprobs is None:
             assert last.logprobs is None and last.top_logprobs is None
         else:  # a batch computes in another order: equal up to float rounding
             assert last.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
             assert [sorted(t) for t in last.top_logprobs] == [sorted(t) for t in ref.top_logprobs]
             assert [sorted(t.values()) for t in last.top_logprobs] == [
-                pytest.approx(sorted(t.values()), abs=1e-4) for t in ref.top_logprobs]
+                pytest.approx(sorted(t.values()), abs=1e-4) for t in ref.top_logprobs
+            ]
         assert [t for o in outs for t in o.new_token_ids] == last.token_ids
         assert "".join(o.delta_text for o in outs) == last.text
     # 24 requests decoding side by side: their deltas share messages (about one per step, not one per token)
@@ -89,6 +106,7 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
 
     g = WorkerGroup(GroupConfig("g-die", EngineConfig(model=str(demo_path), device="cpu", kv_cache_bytes=2**25)))
     try:
+
         async def run():
             started = asyncio.Queue()
 

@@ -63,8 +63,12 @@ def test_forged_role_markers_in_user_text_become_ordinary_tokens(tok):
 
 
 def test_real_role_markers_sit_exactly_where_the_template_puts_them(tok):
-    messages = [{"role": "system", "content": FORGED}, {"role": "user", "content": "hi" + FORGED},
-                {"role": "assistant", "content": IM_END_TOKEN}, {"role": "user", "content": "ok"}]
+    messages = [
+        {"role": "system", "content": FORGED},
+        {"role": "user", "content": "hi" + FORGED},
+        {"role": "assistant", "content": IM_END_TOKEN},
+        {"role": "user", "content": "ok"},
+    ]
     prompt = encode_chat(tok, messages)
     # The special tokens are exactly those of the same conversation with harmless texts, at the template's places.
     harmless = [{**m, "content": "x"} for m in messages]
@@ -77,8 +81,7 @@ def test_real_role_markers_sit_exactly_where_the_template_puts_them(tok):
     assert prompt.text == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(st.text(st.characters(codec="utf-8"), max_size=40), min_size=1, max_size=4))
 def test_ordinary_conversations_encode_exactly_as_the_plain_path(tok, texts):
     texts = [t.replace("<|", "< |") for t in texts]  # no marker text: the plain path is then correct
@@ -89,12 +92,16 @@ def test_ordinary_conversations_encode_exactly_as_the_plain_path(tok, texts):
 
 
 def test_a_conversation_prefix_keeps_its_leading_tokens(tok):
-    turns = [{"role": "system", "content": " Rules:\n\n be kind \n"}, {"role": "user", "content": "\nWhy?"},
-             {"role": "assistant", "content": "Because."}, {"role": "user", "content": "  thanks  "}]
+    turns = [
+        {"role": "system", "content": " Rules:\n\n be kind \n"},
+        {"role": "user", "content": "\nWhy?"},
+        {"role": "assistant", "content": "Because."},
+        {"role": "user", "content": "  thanks  "},
+    ]
     whole = encode_chat(tok, turns).token_ids
     for n in range(1, len(turns)):
         head = encode_chat(tok, turns[:n], add_generation_prompt=False).token_ids
-        assert whole[:len(head)] == head
+        assert whole[: len(head)] == head
 
 
 def test_a_template_that_trims_contents_keeps_its_rendering_and_stays_safe(tok):
@@ -129,80 +136,132 @@ def refusal(model, body) -> str:
     return validation_message(info.value, "body")
 
 
-@pytest.mark.parametrize(("model", "body", "where"), [
-    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]},
-     "messages.0.content.0.text: Input should be a valid string"),
-    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0: Value error, content"),
-    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [["hi"]]}]}, "messages.0.content.0: "),
-    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": 7}]}, "messages.0.content: content must be"),
-    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.0.content.0.type: Input should be 'text'"),
-    (ChatRequest, {**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, "messages.0.role: "),
-    (ChatRequest, {**CHAT, "messages": []}, "messages: List should have at least 1 item"),
-    (ChatRequest, {**CHAT, "stop": ["s"] * 17}, "stop: List should have at most 16 items"),
-    (ChatRequest, {**CHAT, "stop": "s" * 513}, "stop.0: String should have at most 512 characters"),
-    (ChatRequest, {**CHAT, "stop": [""]}, "stop.0: String should have at least 1 character"),
-    (ChatRequest, {**CHAT, "stop": 3}, "stop: stop must be a string or a list of strings"),
-    (ChatRequest, {**CHAT, "top_p": 0}, "top_p: Input should be greater than 0"),
-    (ChatRequest, {**CHAT, "top_p": 1e-400}, "top_p: Input should be greater than 0"),
-    (ChatRequest, {**CHAT, "temperature": 2.5}, "temperature: "),
-    (ChatRequest, {**CHAT, "temperature": "0.5"}, "temperature: Input should be a valid number"),
-    (ChatRequest, {**CHAT, "max_tokens": 0}, "max_tokens: "),
-    (ChatRequest, {**CHAT, "max_tokens": 10**30}, "max_tokens: "),
-    (ChatRequest, {**CHAT, "max_tokens": 8.5}, "max_tokens: Input should be a valid integer"),
-    (ChatRequest, {**CHAT, "seed": 2**64}, "seed: "),
-    (ChatRequest, {**CHAT, "n": 10**6}, "n: "),
-    (ChatRequest, {**CHAT, "stream": "yes"}, "stream: Input should be a valid boolean"),
-    (ChatRequest, {**CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage: "),
-    (ChatRequest, {**CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: "),
-    (ChatRequest, {**CHAT, "top_logprobs": 21}, "top_logprobs: "),
-    (ChatRequest, {**CHAT, "model": "m" * 257}, "model: "),
-    (ChatRequest, '{"model": "demo", "temperature": NaN, "messages": []}', "temperature: Input should be a finite"),
-    (ChatRequest, '{"model": "demo", "messages": [', "body: Invalid JSON"),
-    (ChatRequest, "[1, 2]", "body: Input should be an object"),
-    (CompletionRequest, {**COMPLETION, "prompt": [1, -2]}, "prompt.token_ids.1: "),
-    (CompletionRequest, {**COMPLETION, "prompt": [1, 2**40]}, "prompt.token_ids.1: "),
-    (CompletionRequest, {**COMPLETION, "prompt": ["a", "b"]}, "prompt.token_ids.0: Input should be a valid integer"),
-    (CompletionRequest, {**COMPLETION, "prompt": None}, "prompt: prompt must be a string or a list of token ids"),
-    (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs: "),
-    (MessagesRequest, {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
-     "messages.0.content.0.text: Input should be a valid string"),
-    (MessagesRequest, {**MESSAGES, "messages": [{"role": "user", "content": None}]}, "messages.0.content: "),
-    (MessagesRequest, {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
-     "messages.0.content.0.type: Input should be 'text'"),
-    (MessagesRequest, {**MESSAGES, "system": [{"type": "text", "text": "s", "cache_control": {"type": "forever"}}]},
-     "system.0.cache_control.type: "),
-    (MessagesRequest, {**MESSAGES, "stop_sequences": ["x"] * 17}, "stop_sequences: "),
-    (MessagesRequest, {**MESSAGES, "temperature": 1.5}, "temperature: "),
-    (MessagesRequest, {**MESSAGES, "top_k": -1}, "top_k: "),
-    (MessagesRequest, {**MESSAGES, "max_tokens": None}, "max_tokens: "),
-    (MessagesRequest, {**MESSAGES, "tools": [{"name": 5}]}, "tools.0.name: "),
-    (CachedContentRequest, {"contents": [{"role": "user", "parts": 5}]}, "contents.0.parts: Input should be a valid"),
-    (CachedContentRequest, {"contents": [{"parts": [{"text": 5}]}]}, "contents.0.parts.0.text: "),
-    (CachedContentRequest, {"contents": [{"parts": [{"inlineData": {}}]}]}, "contents.0.parts.0.text: Field required"),
-    (CachedContentRequest, {"systemInstruction": "be nice"}, "systemInstruction: "),
-    (CachedContentRequest, {"contents": None, "ttl": 300}, "ttl: Input should be a valid string"),
-    (CachedContentPatch, {"ttl": None}, "ttl: "),
-    (CachedContentPatch, {}, "ttl: Field required"),
-])
+@pytest.mark.parametrize(
+    ("model", "body", "where"),
+    [
+        (
+            ChatRequest,
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]},
+            "messages.0.content.0.text: Input should be a valid string",
+        ),
+        (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0: Value error, content"),
+        (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [["hi"]]}]}, "messages.0.content.0: "),
+        (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": 7}]}, "messages.0.content: content must be"),
+        (
+            ChatRequest,
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.type: Input should be 'text'",
+        ),
+        (ChatRequest, {**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, "messages.0.role: "),
+        (ChatRequest, {**CHAT, "messages": []}, "messages: List should have at least 1 item"),
+        (ChatRequest, {**CHAT, "stop": ["s"] * 17}, "stop: List should have at most 16 items"),
+        (ChatRequest, {**CHAT, "stop": "s" * 513}, "stop.0: String should have at most 512 characters"),
+        (ChatRequest, {**CHAT, "stop": [""]}, "stop.0: String should have at least 1 character"),
+        (ChatRequest, {**CHAT, "stop": 3}, "stop: stop must be a string or a list of strings"),
+        (ChatRequest, {**CHAT, "top_p": 0}, "top_p: Input should be greater than 0"),
+        (ChatRequest, {**CHAT, "top_p": 1e-400}, "top_p: Input should be greater than 0"),
+        (ChatRequest, {**CHAT, "temperature": 2.5}, "temperature: "),
+        (ChatRequest, {**CHAT, "temperature": "0.5"}, "temperature: Input should be a valid number"),
+        (ChatRequest, {**CHAT, "max_tokens": 0}, "max_tokens: "),
+        (ChatRequest, {**CHAT, "max_tokens": 10**30}, "max_tokens: "),
+        (ChatRequest, {**CHAT, "max_tokens": 8.5}, "max_tokens: Input should be a valid integer"),
+        (ChatRequest, {**CHAT, "seed": 2**64}, "seed: "),
+        (ChatRequest, {**CHAT, "n": 10**6}, "n: "),
+        (ChatRequest, {**CHAT, "stream": "yes"}, "stream: Input should be a valid boolean"),
+        (ChatRequest, {**CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage: "),
+        (ChatRequest, {**CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: "),
+        (ChatRequest, {**CHAT, "top_logprobs": 21}, "top_logprobs: "),
+        (ChatRequest, {**CHAT, "model": "m" * 257}, "model: "),
+        (ChatRequest, '{"model": "demo", "temperature": NaN, "messages": []}', "temperature: Input should be a finite"),
+        (ChatRequest, '{"model": "demo", "messages": [', "body: Invalid JSON"),
+        (ChatRequest, "[1, 2]", "body: Input should be an object"),
+        (CompletionRequest, {**COMPLETION, "prompt": [1, -2]}, "prompt.token_ids.1: "),
+        (CompletionRequest, {**COMPLETION, "prompt": [1, 2**40]}, "prompt.token_ids.1: "),
+        (
+            CompletionRequest,
+            {**COMPLETION, "prompt": ["a", "b"]},
+            "prompt.token_ids.0: Input should be a valid integer",
+        ),
+        (CompletionRequest, {**COMPLETION, "prompt": None}, "prompt: prompt must be a string or a list of token ids"),
+        (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs: "),
+        (
+            MessagesRequest,
+            {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            "messages.0.content.0.text: Input should be a valid string",
+        ),
+        (MessagesRequest, {**MESSAGES, "messages": [{"role": "user", "content": None}]}, "messages.0.content: "),
+        (
+            MessagesRequest,
+            {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+            "messages.0.content.0.type: Input should be 'text'",
+        ),
+        (
+            MessagesRequest,
+            {**MESSAGES, "system": [{"type": "text", "text": "s", "cache_control": {"type": "forever"}}]},
+            "system.0.cache_control.type: ",
+        ),
+        (MessagesRequest, {**MESSAGES, "stop_sequences": ["x"] * 17}, "stop_sequences: "),
+        (MessagesRequest, {**MESSAGES, "temperature": 1.5}, "temperature: "),
+        (MessagesRequest, {**MESSAGES, "top_k": -1}, "top_k: "),
+        (MessagesRequest, {**MESSAGES, "max_tokens": None}, "max_tokens: "),
+        (MessagesRequest, {**MESSAGES, "tools": [{"name": 5}]}, "tools.0.name: "),
+        (
+            CachedContentRequest,
+            {"contents": [{"role": "user", "parts": 5}]},
+            "contents.0.parts: Input should be a valid",
+        ),
+        (CachedContentRequest, {"contents": [{"parts": [{"text": 5}]}]}, "contents.0.parts.0.text: "),
+        (
+            CachedContentRequest,
+            {"contents": [{"parts": [{"inlineData": {}}]}]},
+            "contents.0.parts.0.text: Field required",
+        ),
+        (CachedContentRequest, {"systemInstruction": "be nice"}, "systemInstruction: "),
+        (CachedContentRequest, {"contents": None, "ttl": 300}, "ttl: Input should be a valid string"),
+        (CachedContentPatch, {"ttl": None}, "ttl: "),
+        (CachedContentPatch, {}, "ttl: Field required"),
+    ],
+)
 def test_malformed_bodies_are_refused_naming_the_field(model, body, where):
     assert refusal(model, body).startswith(where)
 
 
 def test_the_shapes_the_sdks_send_still_parse():
-    chat = ChatRequest.model_validate_json(json.dumps({
-        **CHAT, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
-            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-            {"role": "assistant", "content": None, "tool_calls": []}],
-        "stop": "END", "temperature": 0, "seed": -1, "stream_options": {"include_usage": True}, "extra": {"x": 1}}))
+    chat = ChatRequest.model_validate_json(
+        json.dumps(
+            {
+                **CHAT,
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"role": "assistant", "content": None, "tool_calls": []},
+                ],
+                "stop": "END",
+                "temperature": 0,
+                "seed": -1,
+                "stream_options": {"include_usage": True},
+                "extra": {"x": 1},
+            }
+        )
+    )
     assert [m.text for m in chat.messages] == ["s", "ab", ""] and chat.stop == ["END"]
-    msg = MessagesRequest.model_validate_json(json.dumps({
-        **MESSAGES, "system": "be brief", "stop_sequences": ["\n\n"], "top_k": 5, "metadata": {"user_id": "u"}}))
+    msg = MessagesRequest.model_validate_json(
+        json.dumps(
+            {**MESSAGES, "system": "be brief", "stop_sequences": ["\n\n"], "top_k": 5, "metadata": {"user_id": "u"}}
+        )
+    )
     assert msg.system[0].text == "be brief" and msg.messages[0].content[0].text == "hi"
     assert CompletionRequest.model_validate_json(json.dumps({**COMPLETION, "prompt": [1, 2]})).prompt == [1, 2]
-    cc = CachedContentRequest.model_validate_json(json.dumps({
-        "model": "models/demo", "systemInstruction": {"parts": [{"text": "A"}]},
-        "contents": [{"role": "user", "parts": [{"text": "B"}, {"text": "C"}]}], "ttl": "300s"}))
+    cc = CachedContentRequest.model_validate_json(
+        json.dumps(
+            {
+                "model": "models/demo",
+                "systemInstruction": {"parts": [{"text": "A"}]},
+                "contents": [{"role": "user", "parts": [{"text": "B"}, {"text": "C"}]}],
+                "ttl": "300s",
+            }
+        )
+    )
     assert cc.text == "ABC"
 
 
@@ -218,10 +277,12 @@ def test_a_requested_ttl_is_parsed_once_and_bounded_naming_its_field():
     assert ttl_seconds("5m", 300.0, 3600.0, "cache_control.ttl") == 300.0
     assert ttl_seconds("1.5s", 300.0, 3600.0, "ttl") == 1.5
     assert ttl_seconds(None, 120.0, 3600.0, "ttl") == 120.0  # none given: the tenant's default
-    for value, message in (("2h", "cache_control.ttl must be between 1s and 3600s"),
-                           ("500ms", "cache_control.ttl must be between 1s and 3600s"),
-                           ("soon", "cache_control.ttl: 'soon' is not a duration (use e.g. 30s, 5m, 1h)"),
-                           ("0s", "cache_control.ttl: a duration must be positive")):
+    for value, message in (
+        ("2h", "cache_control.ttl must be between 1s and 3600s"),
+        ("500ms", "cache_control.ttl must be between 1s and 3600s"),
+        ("soon", "cache_control.ttl: 'soon' is not a duration (use e.g. 30s, 5m, 1h)"),
+        ("0s", "cache_control.ttl: a duration must be positive"),
+    ):
         with pytest.raises(BodyError) as info:
             ttl_seconds(value, 300.0, 3600.0, "cache_control.ttl")
         assert (info.value.status, info.value.message) == (400, message)

@@ -148,15 +148,22 @@ def _cached(resp) -> int:
 
 def _ask(client: anthropic.Anthropic, system: str, question: str, ttl: str = "5m", **kw):
     return client.messages.create(
-        model="demo", max_tokens=4, extra_body={"temperature": 0, **kw.pop("extra_body", {})},
+        model="demo",
+        max_tokens=4,
+        extra_body={"temperature": 0, **kw.pop("extra_body", {})},
         system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": ttl}}],
-        messages=[{"role": "user", "content": question}], **kw)
+        messages=[{"role": "user", "content": question}],
+        **kw,
+    )
 
 
 def _create_cc(server: Server, tenant: str, text: str) -> dict:
-    r = httpx.post(f"{server.base}/{tenant}/v1/cachedContents", headers=_h(tenant), timeout=120,
-                   json={"model": "models/demo", "contents": [{"role": "user", "parts": [{"text": text}]}],
-                         "ttl": "600s"})
+    r = httpx.post(
+        f"{server.base}/{tenant}/v1/cachedContents",
+        headers=_h(tenant),
+        timeout=120,
+        json={"model": "models/demo", "contents": [{"role": "user", "parts": [{"text": text}]}], "ttl": "600s"},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -200,8 +207,7 @@ def test_metrics_do_not_reveal_other_tenants_activity(server, vocab):
     before = _metrics(server, "globex")
     assert "kvgrid_requests_total" in before and "kvgrid_group_" not in before  # group load is admin-only
     for _ in range(3):
-        oa(server).completions.create(model="demo", prompt=[rng.randrange(5, vocab) for _ in range(200)],
-                                      max_tokens=1)
+        oa(server).completions.create(model="demo", prompt=[rng.randrange(5, vocab) for _ in range(200)], max_tokens=1)
     assert _metrics(server, "globex") == before  # nothing in globex's metrics moves with acme's traffic
     assert _metrics(server, "acme") != before
 
@@ -261,8 +267,13 @@ def test_cached_content_is_invisible_to_other_tenants(server, vocab):
     question = "When does the ferry leave, and what does a ticket cost for two adults and a child?"
 
     def use(client, ref):
-        return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": question}],
-                                              max_tokens=2, temperature=0, extra_body={"cached_content": ref})
+        return client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cached_content": ref},
+        )
 
     acme, globex = oa(server), oa(server, "globex", GLOBEX_KEY)
     a1 = use(acme, name)
@@ -282,15 +293,23 @@ def test_cached_content_is_invisible_to_other_tenants(server, vocab):
         use(globex, cid)
     with pytest.raises(anthropic.NotFoundError):
         an(server, "globex", GLOBEX_KEY).messages.create(
-            model="demo", max_tokens=2, messages=[{"role": "user", "content": question}],
-            extra_body={"temperature": 0, "cached_content": name})
+            model="demo",
+            max_tokens=2,
+            messages=[{"role": "user", "content": question}],
+            extra_body={"temperature": 0, "cached_content": name},
+        )
     # Guessed ids of the same format, and crafted ones, are all unknown to globex.
     rng = random.Random(7)
     for guess in [f"{rng.getrandbits(96):024x}" for _ in range(20)] + ["*", "%2A", "acme", "..%2Facme"]:
         assert httpx.get(f"{gx}/{guess}", headers=gh).status_code == 404, guess
         assert httpx.patch(f"{gx}/{guess}", headers=gh, json={"ttl": "30s"}).status_code == 404, guess
-    for ref in [f"cachedContents/{rng.getrandbits(96):024x}", "cachedContents/*", f"acme:{name}",
-                f"cachedContents/../../acme/{name}", f"kvgrid:cc:acme:{name}"]:
+    for ref in [
+        f"cachedContents/{rng.getrandbits(96):024x}",
+        "cachedContents/*",
+        f"acme:{name}",
+        f"cachedContents/../../acme/{name}",
+        f"kvgrid:cc:acme:{name}",
+    ]:
         with pytest.raises(openai.NotFoundError):
             use(globex, ref)
 
@@ -341,8 +360,9 @@ def _all_requests(server: Server, tenant: str, key_headers: dict[str, str]) -> l
 
 
 def test_keys_only_open_their_own_tenant(server):
-    owned = {t: _create_cc(server, t, _unique("keys") + "notes " * 40)["name"].removeprefix("cachedContents/")
-             for t in KEYS}
+    owned = {
+        t: _create_cc(server, t, _unique("keys") + "notes " * 40)["name"].removeprefix("cachedContents/") for t in KEYS
+    }
     for tenant, other in [(t, o) for t in KEYS for o in KEYS if t != o]:
         k = KEYS[other]
         # SDKs: the other tenant's key is rejected.
@@ -353,8 +373,9 @@ def test_keys_only_open_their_own_tenant(server):
         with pytest.raises(openai.AuthenticationError):
             oa(server, tenant, k).models.list()
         with pytest.raises(anthropic.AuthenticationError):
-            an(server, tenant, k).messages.create(model="demo", max_tokens=2,
-                                                  messages=[{"role": "user", "content": "hi"}])
+            an(server, tenant, k).messages.create(
+                model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
         # Raw HTTP, every endpoint, every header the gateway reads; 401 exactly like an unknown key (nothing
         # says "valid key, wrong tenant").
         bogus = dict(_all_requests(server, tenant, {"x-api-key": "sk-not-a-key-at-all"}))
@@ -369,8 +390,10 @@ def test_keys_only_open_their_own_tenant(server):
         # Control: the owner's key opens the same endpoints, and the objects survived the attempts.
         assert httpx.get(f"{server.base}/{tenant}/v1/models", headers=_h(tenant)).status_code == 200
         assert httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant)).status_code == 200
-        assert httpx.get(f"{server.base}/{tenant}/v1/cachedContents/{owned[tenant]}",
-                         headers=_h(tenant)).status_code == 200
+        assert (
+            httpx.get(f"{server.base}/{tenant}/v1/cachedContents/{owned[tenant]}", headers=_h(tenant)).status_code
+            == 200
+        )
 
 
 def _redis_dump(r: redis.Redis) -> list[tuple[bytes, bytes]]:
@@ -422,8 +445,12 @@ def _find_in_redis(redis_url: str, needles: dict[str, bytes]) -> list[str]:
     dump = _redis_dump(redis.Redis.from_url(redis_url))
     assert len(dump) > 5 and any(k.startswith(b"kvgrid:usage:") for k, _ in dump)  # keys are never in Redis
     assert any(k.startswith(b"kvgrid:events:") for k, _ in dump)
-    return [f"{what} under {key!r}" for what, needle in needles.items() for key, value in dump
-            if needle in key or needle in value]
+    return [
+        f"{what} under {key!r}"
+        for what, needle in needles.items()
+        for key, value in dump
+        if needle in key or needle in value
+    ]
 
 
 def test_redis_holds_no_plaintext_key_or_secret(server, redis_url):
@@ -448,13 +475,44 @@ def test_responses_carry_no_key_secret_or_root_key(server):
         responses += _all_requests(server, tenant, _h(tenant))
         responses += _all_requests(server, tenant, {"x-api-key": KEYS["acme" if tenant != "acme" else "globex"]})
         base = f"{server.base}/{tenant}/v1"
-        responses.append(("413", httpx.post(f"{base}/completions", headers=_h(tenant), timeout=60,
-                                             json={"model": "demo", "prompt": [7] * 2000, "max_tokens": 2})))
+        responses.append(
+            (
+                "413",
+                httpx.post(
+                    f"{base}/completions",
+                    headers=_h(tenant),
+                    timeout=60,
+                    json={"model": "demo", "prompt": [7] * 2000, "max_tokens": 2},
+                ),
+            )
+        )
         responses.append(("400", httpx.post(f"{base}/chat/completions", headers=_h(tenant), content=b"{not json")))
-        responses.append(("404", httpx.post(f"{base}/chat/completions", headers=_h(tenant), json={
-            "model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})))
-        responses.append(("stream", httpx.post(f"{base}/messages", headers=_h(tenant), timeout=120, json={
-            "model": "demo", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]})))
+        responses.append(
+            (
+                "404",
+                httpx.post(
+                    f"{base}/chat/completions",
+                    headers=_h(tenant),
+                    json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+                ),
+            )
+        )
+        responses.append(
+            (
+                "stream",
+                httpx.post(
+                    f"{base}/messages",
+                    headers=_h(tenant),
+                    timeout=120,
+                    json={
+                        "model": "demo",
+                        "max_tokens": 3,
+                        "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                ),
+            )
+        )
     assert {r.status_code for _, r in responses} >= {200, 400, 401, 404, 413}
     for what, r in responses:
         blob = r.content + b"\n" + "\n".join(f"{k}: {v}" for k, v in r.headers.items()).encode()
@@ -468,8 +526,7 @@ def test_request_fields_cannot_choose_the_cache_namespace(server):
     acme, globex = oa(server), oa(server, "globex", GLOBEX_KEY)
     attempts = [
         ("chat", {"tenant": "acme", "cache_salt": "x", "user": "acme"}, {}),
-        ("chat", {"tenant_id": "acme", "namespace": "acme", "cache_namespace": "acme", "prompt_cache_key": "acme"},
-         {}),
+        ("chat", {"tenant_id": "acme", "namespace": "acme", "cache_namespace": "acme", "prompt_cache_key": "acme"}, {}),
         ("chat", {"cache_salt": ""}, {"X-Tenant": "acme", "OpenAI-Organization": "acme", "OpenAI-Project": "acme"}),
         ("completion", {"tenant": "acme", "cache_salt": "x", "user": "acme", "root_key": "00" * 16}, {}),
         ("messages", {"tenant": "acme", "cache_salt": "x", "metadata": {"user_id": "acme"}}, {"X-Tenant": "acme"}),
@@ -482,18 +539,30 @@ def test_request_fields_cannot_choose_the_cache_namespace(server):
         assert acme_hit > 0
         try:
             if api == "chat":
-                cached = _cached(chat(globex, "Is there a deposit?", system, extra_body=extra_body,
-                                      extra_headers=extra_headers))
+                cached = _cached(
+                    chat(globex, "Is there a deposit?", system, extra_body=extra_body, extra_headers=extra_headers)
+                )
             elif api == "completion":
                 text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nIs there a deposit?<|im_end|>\n"
                 assert _cached(acme.completions.create(model="demo", prompt=text, max_tokens=2)) > 0
-                cached = _cached(globex.completions.create(model="demo", prompt=text, max_tokens=2,
-                                                           extra_body=extra_body, extra_headers=extra_headers))
+                cached = _cached(
+                    globex.completions.create(
+                        model="demo", prompt=text, max_tokens=2, extra_body=extra_body, extra_headers=extra_headers
+                    )
+                )
             else:
-                u = an(server, "globex", GLOBEX_KEY).messages.create(
-                    model="demo", max_tokens=2, system=system,
-                    messages=[{"role": "user", "content": "Is there a deposit?"}],
-                    extra_body={"temperature": 0, **extra_body}, extra_headers=extra_headers).usage
+                u = (
+                    an(server, "globex", GLOBEX_KEY)
+                    .messages.create(
+                        model="demo",
+                        max_tokens=2,
+                        system=system,
+                        messages=[{"role": "user", "content": "Is there a deposit?"}],
+                        extra_body={"temperature": 0, **extra_body},
+                        extra_headers=extra_headers,
+                    )
+                    .usage
+                )
                 assert u.cache_creation_input_tokens == 0  # no breakpoint: implicit reuse would show as a read
                 cached = u.cache_read_input_tokens
         except (openai.BadRequestError, anthropic.BadRequestError):
@@ -510,8 +579,9 @@ def test_request_fields_cannot_choose_the_cache_namespace(server):
 def _ttft(client: openai.OpenAI, prompt: list[int]) -> tuple[float, int]:
     """Client-side time to the first streamed chunk, and the cached tokens the final usage chunk reports."""
     t0 = time.perf_counter()
-    stream = client.completions.create(model="demo", prompt=prompt, max_tokens=1, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=1, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     first, cached = None, None
     for chunk in stream:
         if first is None and chunk.choices:
@@ -544,8 +614,12 @@ def test_no_timing_channel_between_tenants(server, vocab):
         _ttft(globex, prompt())
     for p in acme_cached:
         assert _ttft(acme, p)[1] == 0
-    tasks = ([("globex probe", p) for p in acme_cached] + [("globex fresh", prompt()) for _ in range(TIMING_N)]
-             + [("acme hit", p) for p in acme_cached] + [("acme fresh", prompt()) for _ in range(TIMING_N)])
+    tasks = (
+        [("globex probe", p) for p in acme_cached]
+        + [("globex fresh", prompt()) for _ in range(TIMING_N)]
+        + [("acme hit", p) for p in acme_cached]
+        + [("acme fresh", prompt()) for _ in range(TIMING_N)]
+    )
     rng.shuffle(tasks)
     times: dict[str, list[float]] = {k: [] for k in ("globex probe", "globex fresh", "acme hit", "acme fresh")}
     hit_tokens = (TIMING_LEN - 1) // BLOCK * BLOCK
@@ -558,10 +632,17 @@ def test_no_timing_channel_between_tenants(server, vocab):
     elapsed = time.monotonic() - t_start
     d_g, p_g = ks_2samp(times["globex probe"], times["globex fresh"])
     d_a, p_a = ks_2samp(times["acme hit"], times["acme fresh"])
-    summary = {k: f"median {statistics.median(v) * 1e3:.1f} ms, p10 {sorted(v)[len(v) // 10] * 1e3:.1f}, "
-                  f"p90 {sorted(v)[len(v) * 9 // 10] * 1e3:.1f}" for k, v in times.items()}
-    report = {"globex probe vs fresh": {"D": round(d_g, 4), "p": p_g}, "acme hit vs fresh": {"D": round(d_a, 4),
-              "p": p_a}, "ttft": summary, "measured_s": round(elapsed, 1)}
+    summary = {
+        k: f"median {statistics.median(v) * 1e3:.1f} ms, p10 {sorted(v)[len(v) // 10] * 1e3:.1f}, "
+        f"p90 {sorted(v)[len(v) * 9 // 10] * 1e3:.1f}"
+        for k, v in times.items()
+    }
+    report = {
+        "globex probe vs fresh": {"D": round(d_g, 4), "p": p_g},
+        "acme hit vs fresh": {"D": round(d_a, 4), "p": p_a},
+        "ttft": summary,
+        "measured_s": round(elapsed, 1),
+    }
     print("timing:", json.dumps(report, indent=1))
     assert p_a < 1e-3, f"the measurement cannot see acme's own hits: {report}"
     assert p_g > 0.01, f"globex's TTFT depends on acme's cache: {report}"
@@ -578,12 +659,16 @@ def test_logs_hold_no_key_secret_or_prompt(server):
     _ask(an(server, "initech", INITECH_KEY), f"{marker} " + SYSTEM, f"What about {marker}?")
     cc = _create_cc(server, "acme", text)
     with pytest.raises(openai.BadRequestError):  # an error path too
-        oa(server).chat.completions.create(model="demo", max_tokens=2, messages=[
-            {"role": "user", "content": marker}], temperature=7)
+        oa(server).chat.completions.create(
+            model="demo", max_tokens=2, messages=[{"role": "user", "content": marker}], temperature=7
+        )
     with pytest.raises(openai.NotFoundError):
         oa(server, "globex", GLOBEX_KEY).chat.completions.create(
-            model="demo", max_tokens=2, messages=[{"role": "user", "content": marker}],
-            extra_body={"cached_content": cc["name"]})
+            model="demo",
+            max_tokens=2,
+            messages=[{"role": "user", "content": marker}],
+            extra_body={"cached_content": cc["name"]},
+        )
     time.sleep(1.0)  # let log lines land
 
     forbidden = {**_forbidden_bytes(), "prompt marker": marker.encode()}

@@ -34,17 +34,21 @@ def test_read_mooncake_reads_records_in_seconds_and_stops_at_the_limit():
     entries = read_mooncake(TRACE, limit=5)
     first = json.loads(TRACE.read_text().splitlines()[0])
     assert len(entries) == 5
-    assert entries[0] == TraceEntry(first["timestamp"] / 1e3, first["input_length"], first["output_length"],
-                                    tuple(first["hash_ids"]))
+    assert entries[0] == TraceEntry(
+        first["timestamp"] / 1e3, first["input_length"], first["output_length"], tuple(first["hash_ids"])
+    )
     assert len(read_mooncake(TRACE)) == 1500
 
 
-@pytest.mark.parametrize("line, words_in_error", [
-    ('{"timestamp": 0, "input_length": 10}', ":2: not a trace record"),
-    ("not json", ":2: not a trace record"),
-    ('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1]}', ":2: input_length 1100"),
-    ('{"timestamp": 0, "input_length": 100, "output_length": 0, "hash_ids": [0]}', ":2: output_length"),
-])
+@pytest.mark.parametrize(
+    "line, words_in_error",
+    [
+        ('{"timestamp": 0, "input_length": 10}', ":2: not a trace record"),
+        ("not json", ":2: not a trace record"),
+        ('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1]}', ":2: input_length 1100"),
+        ('{"timestamp": 0, "input_length": 100, "output_length": 0, "hash_ids": [0]}', ":2: output_length"),
+    ],
+)
 def test_read_mooncake_names_the_bad_line(tmp_path, line, words_in_error):
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n' + line + "\n")
@@ -75,9 +79,12 @@ def test_trace_prompts_equal_hash_ids_give_equal_blocks():
 
 def test_trace_jobs_keep_the_trace_pace_scaled_from_its_first_request(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": ms, "input_length": 600, "output_length": out,
-                                        "hash_ids": [0, i + 1]}) + "\n"
-                            for i, (ms, out) in enumerate([(4000, 7), (7000, 9), (10000, 11)])))
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": ms, "input_length": 600, "output_length": out, "hash_ids": [0, i + 1]}) + "\n"
+            for i, (ms, out) in enumerate([(4000, 7), (7000, 9), (10000, 11)])
+        )
+    )
 
     def jobs(*flags: str):
         args = cli.build_parser().parse_args(["bench", "serve", "--workload", "trace", "--trace", str(path), *flags])
@@ -155,8 +162,10 @@ def test_percentile_interpolates_between_order_statistics():
 
 
 def test_summarise_counts_only_completed_requests():
-    ok = [Result(start=0.0, chunk_times=[0.1, 0.2, 0.4], end=0.5, prompt_tokens=100, cached_tokens=75,
-                 output_tokens=3) for _ in range(3)]
+    ok = [
+        Result(start=0.0, chunk_times=[0.1, 0.2, 0.4], end=0.5, prompt_tokens=100, cached_tokens=75, output_tokens=3)
+        for _ in range(3)
+    ]
     failed = Result(start=0.0, error="HTTP 503: busy")
     s = summarise(ok + [failed], duration_s=2.0)
     assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
@@ -171,17 +180,20 @@ def test_summarise_counts_only_completed_requests():
 # -- the command line --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--prefix-ratio", "1.5"], "--prefix-ratio"),
-    (["--input-len", "0"], "--input-len"),
-    (["--concurrency", "0"], "--concurrency"),
-    (["--request-rate", "-1"], "--request-rate"),
-    (["--time-scale", "nan"], "--time-scale"),
-    (["--vocab-size", "1"], "--vocab-size"),
-    (["--workload", "trace"], "--trace"),
-    (["--workload", "trace", "--trace", "/does/not/exist"], "--trace"),
-    (["--base-url", "127.0.0.1:8000/v1"], "--base-url"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--prefix-ratio", "1.5"], "--prefix-ratio"),
+        (["--input-len", "0"], "--input-len"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--request-rate", "-1"], "--request-rate"),
+        (["--time-scale", "nan"], "--time-scale"),
+        (["--vocab-size", "1"], "--vocab-size"),
+        (["--workload", "trace"], "--trace"),
+        (["--workload", "trace", "--trace", "/does/not/exist"], "--trace"),
+        (["--base-url", "127.0.0.1:8000/v1"], "--base-url"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag_before_any_request(capsys, flags, named):
     # The port has no server: a check that came after the first request would fail on the connection instead.
     assert cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}/v1", *flags]) == 2
@@ -203,8 +215,7 @@ def server(shared_server):
 
 
 def bench(server, capsys, *flags: str) -> dict:
-    code = cli.main(["bench", "serve", "--base-url", f"{server.base}/acme/v1", "--api-key", ACME_KEY, "--json",
-                     *flags])
+    code = cli.main(["bench", "serve", "--base-url", f"{server.base}/acme/v1", "--api-key", ACME_KEY, "--json", *flags])
     out = capsys.readouterr().out
     assert code == 0, out
     return json.loads(out)
@@ -225,17 +236,52 @@ def test_random_workload_reports_cache_hits_for_a_shared_prefix(server, capsys):
 
 
 def test_multi_turn_chat_reuses_earlier_turns(server, capsys):
-    r = bench(server, capsys, "--workload", "multi-turn", "--prompt-format", "chat", "--conversations", "2",
-              "--turns", "3", "--input-len", "48", "--turn-len", "8", "--output-len", "4", "--concurrency", "2")
+    r = bench(
+        server,
+        capsys,
+        "--workload",
+        "multi-turn",
+        "--prompt-format",
+        "chat",
+        "--conversations",
+        "2",
+        "--turns",
+        "3",
+        "--input-len",
+        "48",
+        "--turn-len",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "2",
+    )
     assert (r["requests"], r["completed"]) == (6, 6)
     assert r["cached_share"] > 0 and r["output_tokens_per_s"] > 0
 
 
 def test_trace_replay_sends_the_trace_prompts(server, capsys):
     entries = read_mooncake(TRACE, limit=4)
-    r = bench(server, capsys, "--workload", "trace", "--trace", str(TRACE), "--max-requests", "4",
-              "--trace-block-size", "64", "--time-scale", "0", "--concurrency", "1", "--output-len", "4",
-              "--seed", "2")
+    r = bench(
+        server,
+        capsys,
+        "--workload",
+        "trace",
+        "--trace",
+        str(TRACE),
+        "--max-requests",
+        "4",
+        "--trace-block-size",
+        "64",
+        "--time-scale",
+        "0",
+        "--concurrency",
+        "1",
+        "--output-len",
+        "4",
+        "--seed",
+        "2",
+    )
     assert (r["requests"], r["completed"]) == (4, 4)
     assert r["prompt_tokens"] == sum(math.ceil(e.input_length * 64 / 512) for e in entries)
     # Hash id 0 (the trace's system prompt, 64 tokens here) starts every request: the later ones reuse it.

@@ -146,8 +146,12 @@ def test_stop_strings_spanning_steps_cut_where_a_full_decode_first_contains_them
     if expected is None:
         assert (last.finish_reason, last.text) == ("length", text)
     else:
-        assert (len(outs), last.text, last.finish_reason, last.stop_reason) == (expected[0], expected[1], "stop",
-                                                                                  expected[2])
+        assert (len(outs), last.text, last.finish_reason, last.stop_reason) == (
+            expected[0],
+            expected[1],
+            "stop",
+            expected[2],
+        )
     assert "".join(o.delta_text for o in outs) == last.text
     for i, o in enumerate(outs[:-1]):  # before the end: the whole text so far, never a stop
         assert o.text == full(tokenizer, ids[: i + 1]) and not o.finished

@@ -12,8 +12,17 @@ from common.protocol import Delta, Outputs, Submit
 
 
 def delta(i: int, finished: bool = False, logprobs: bool = True) -> Delta:
-    return Delta("r", [i], f"<{i}>", finished, "length" if finished else None, 3, 0,
-                 [-float(i)] if logprobs else None, [{i: -float(i)}] if logprobs else None)
+    return Delta(
+        "r",
+        [i],
+        f"<{i}>",
+        finished,
+        "length" if finished else None,
+        3,
+        0,
+        [-float(i)] if logprobs else None,
+        [{i: -float(i)}] if logprobs else None,
+    )
 
 
 def test_each_output_is_cumulative_as_it_is_yielded_and_keeps_its_own_text():
@@ -24,8 +33,7 @@ def test_each_output_is_cumulative_as_it_is_yielded_and_keeps_its_own_text():
         assert out.token_ids == list(range(i + 1)) and out.new_token_ids == [i]
         assert out.logprobs == [-float(t) for t in range(i + 1)] and out.top_logprobs[-1] == {i: -float(i)}
         assert out.text == "".join(f"<{t}>" for t in range(i + 1)) and out.delta_text == f"<{i}>"
-        assert (out.request_id, out.tenant, out.prompt_token_ids, out.num_cached_tokens) == ("r", "acme",
-                                                                                             [1, 2, 3], 3)
+        assert (out.request_id, out.tenant, out.prompt_token_ids, out.num_cached_tokens) == ("r", "acme", [1, 2, 3], 3)
         seen.append(out)
     assert seen[-1].finished and seen[-1].finish_reason == "length"
     assert seen[1].text == "<0><1>"  # read after the stream went on: still its own step's text
@@ -70,8 +78,12 @@ def test_errors_from_a_leader_are_matched_by_class():
 
     from common.errors import GroupUnhealthyError, group_error, remote_cause
 
-    for cause in (ValueError("bad prompt"), RequestFailed("sampler"), RequestAborted("r"),
-                  GroupUnhealthyError("rank 1 died")):
+    for cause in (
+        ValueError("bad prompt"),
+        RequestFailed("sampler"),
+        RequestAborted("r"),
+        GroupUnhealthyError("rank 1 died"),
+    ):
         raised = RayTaskError("submit", "traceback", cause).as_instanceof_cause()
         assert remote_cause(raised) is cause and group_error(raised, "g0") is cause
     other = RayTaskError("submit", "traceback", KeyError("x")).as_instanceof_cause()

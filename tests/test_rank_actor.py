@@ -14,8 +14,18 @@ from worker.group import GroupUnhealthyError, RankActor
 
 
 def output(rid: str, tokens: list[int], new: list[int], finished: bool) -> RequestOutput:
-    return RequestOutput(rid, "default", [1, 2], tokens, "x" * len(tokens), new, "x" * len(new), finished,
-                         "length" if finished else None, 0)
+    return RequestOutput(
+        rid,
+        "default",
+        [1, 2],
+        tokens,
+        "x" * len(tokens),
+        new,
+        "x" * len(new),
+        finished,
+        "length" if finished else None,
+        0,
+    )
 
 
 class ScriptedEngine:
@@ -57,10 +67,12 @@ async def until_failed(actor: RankActor, timeout_s: float = 5.0) -> None:
 
 
 def test_a_subscription_delivers_the_last_good_step_before_the_failure():
-    engine = ScriptedEngine([
-        [output("done", [5], [5], True), output("long", [6], [6], False)],
-        RuntimeError("peer rank gone"),
-    ])
+    engine = ScriptedEngine(
+        [
+            [output("done", [5], [5], True), output("long", [6], [6], False)],
+            RuntimeError("peer rank gone"),
+        ]
+    )
     actor = leader(engine)
 
     async def scenario():
@@ -78,11 +90,13 @@ def test_a_subscription_delivers_the_last_good_step_before_the_failure():
 
 
 def test_a_request_stream_delivers_its_finish_from_the_last_good_step():
-    engine = ScriptedEngine([
-        [output("r", [5], [5], False)],
-        [output("r", [5, 6], [6], True)],
-        RuntimeError("peer rank gone"),
-    ])
+    engine = ScriptedEngine(
+        [
+            [output("r", [5], [5], False)],
+            [output("r", [5, 6], [6], True)],
+            RuntimeError("peer rank gone"),
+        ]
+    )
     actor = leader(engine)
 
     async def scenario():
@@ -109,10 +123,14 @@ class BadHasUnfinished(ScriptedEngine):
         return True
 
 
-@pytest.mark.parametrize("engine", [
-    BadOutputs([[], []]),
-    BadHasUnfinished([[output("r", [5], [5], False)], [], []]),
-], ids=["handling outputs", "has_unfinished"])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        BadOutputs([[], []]),
+        BadHasUnfinished([[output("r", [5], [5], False)], [], []]),
+    ],
+    ids=["handling outputs", "has_unfinished"],
+)
 def test_any_error_in_the_step_loop_fails_the_group_and_its_requests(engine):
     actor = leader(engine)
 

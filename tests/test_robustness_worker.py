@@ -81,8 +81,9 @@ def test_out_of_range_sampling_params_are_a_value_error_naming_the_field(kw, fie
 
 
 def test_the_limits_themselves_are_accepted():
-    SamplingParams(stop=["y" * 512] * 16, stop_token_ids=list(range(64)), logprobs=20, seed=2**64 - 1,
-                   temperature=100, top_k=-1)
+    SamplingParams(
+        stop=["y" * 512] * 16, stop_token_ids=list(range(64)), logprobs=20, seed=2**64 - 1, temperature=100, top_k=-1
+    )
     SamplingParams(seed=-(2**63), top_p=1e-300, temperature=0)
 
 
@@ -134,8 +135,10 @@ def test_a_row_without_any_finite_logit_fails_alone():
 
 def test_tiny_top_p_samples_the_greedy_tokens_in_a_mixed_batch(engine):
     expected = engine.generate([PROMPT], GREEDY)[0].token_ids
-    batch = [SamplingParams(max_tokens=8, temperature=t, top_p=p, seed=9, ignore_eos=True)
-             for t, p in [(1.0, 1e-46), (0.8, 1e-300), (1.0, 1.0)]]
+    batch = [
+        SamplingParams(max_tokens=8, temperature=t, top_p=p, seed=9, ignore_eos=True)
+        for t, p in [(1.0, 1e-46), (0.8, 1e-300), (1.0, 1.0)]
+    ]
     outs = engine.generate([PROMPT, PROMPT, [1, 2, 3, 4]], batch)
     assert outs[0].token_ids == outs[1].token_ids == expected
     assert all(o.finish_reason == "length" for o in outs)
@@ -145,8 +148,9 @@ def test_a_request_failing_in_sampling_or_stop_checking_fails_alone(engine):
     expected = engine.generate([PROMPT], GREEDY)[0].token_ids
     sampling_bug = broken(temperature="hot")  # the sampler raises for this row only
     stop_bug = broken(stop=[None])  # the stop check raises for this request only
-    outs = engine.generate([PROMPT, list(range(60, 90)), PROMPT, list(range(90, 99))],
-                           [GREEDY, sampling_bug, GREEDY, stop_bug])
+    outs = engine.generate(
+        [PROMPT, list(range(60, 90)), PROMPT, list(range(90, 99))], [GREEDY, sampling_bug, GREEDY, stop_bug]
+    )
     assert outs[0].token_ids == outs[2].token_ids == expected and outs[0].error is None
     for bad in (outs[1], outs[3]):
         assert bad.finished and bad.finish_reason == "error" and "TypeError" in bad.error
@@ -177,7 +181,8 @@ def start_redis_on(port: int, folder: Path) -> subprocess.Popen:
     """A redis-server on a given port (to bring one back where it was), answering before this returns."""
     proc = subprocess.Popen(
         [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     client = redis.Redis(port=port)
     for _ in range(100):
@@ -219,8 +224,9 @@ def wait_for_stream(url: str, group: str, expected: set[bytes], timeout: float =
             got = None
         if got == expected:
             return
-        assert time.monotonic() < deadline, f"the stream holds {None if got is None else len(got)} keys, " \
-                                            f"the pool {len(expected)}"
+        assert time.monotonic() < deadline, (
+            f"the stream holds {None if got is None else len(got)} keys, the pool {len(expected)}"
+        )
         time.sleep(0.2)
 
 
@@ -236,8 +242,7 @@ def test_an_overflowing_event_buffer_is_replaced_by_a_snapshot_once_redis_is_bac
 
     # Redis is not running yet: creating the sink and the engine must not need it.
     sink = RedisStreamSink(stream_client(url, timeout_s=0.5), "e0", snapshot=keys, max_buffer=4)
-    eng = Engine(EngineConfig(model=str(demo_path), device="cpu", secret=b"robust", num_blocks=24),
-                 event_sink=sink)
+    eng = Engine(EngineConfig(model=str(demo_path), device="cpu", secret=b"robust", num_blocks=24), event_sink=sink)
     holder.append(eng)
     for i in range(6):  # more events than the buffer holds; some blocks are evicted again
         with lock:
@@ -266,8 +271,14 @@ def ray_local():
     import ray
 
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=128 * 2**20, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 * 2**20,
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -284,8 +295,12 @@ def group1(ray_local, demo_path, redis_port):
 
     port, _ = redis_port
     # Redis is down while the group starts: setup must not need it.
-    cfg = GroupConfig("g-robust", EngineConfig(model=str(demo_path), device="cpu", secret=b"robust"), 1,
-                      event_stream_url=f"redis://127.0.0.1:{port}/0")
+    cfg = GroupConfig(
+        "g-robust",
+        EngineConfig(model=str(demo_path), device="cpu", secret=b"robust"),
+        1,
+        event_stream_url=f"redis://127.0.0.1:{port}/0",
+    )
     group = WorkerGroup(cfg)
     yield group
     group.shutdown()

@@ -19,7 +19,9 @@ from harness import ACME_KEY, ADMIN_KEY, SYSTEM, chat, oa, serving, wait_for
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with serving(tmp_path_factory, f"""
+    with serving(
+        tmp_path_factory,
+        f"""
 max_groups: 3
 router_replicas: 2
 kv_cache_bytes: 33554432
@@ -28,13 +30,16 @@ tenants:
   - name: acme
     api_keys: [{ACME_KEY}]
     cache: {{mode: implicit, min_prefix_tokens: 32}}
-""", [("acme", ACME_KEY)]) as srv:
+""",
+        [("acme", ACME_KEY)],
+    ) as srv:
         yield srv
 
 
 def admin(server, method: str, path: str, **kw) -> httpx.Response:
-    return httpx.request(method, f"{server.base}/admin/v1{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                         timeout=300, **kw)
+    return httpx.request(
+        method, f"{server.base}/admin/v1{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=300, **kw
+    )
 
 
 def groups(server) -> tuple[dict[str, dict], list[dict[str, int]]]:
@@ -44,8 +49,13 @@ def groups(server) -> tuple[dict[str, dict], list[dict[str, int]]]:
 
 
 def kvgrid(server, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "router.cli", *args, "--url", server.base], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "KVGRID_ADMIN_KEY": ADMIN_KEY})
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args, "--url", server.base],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KVGRID_ADMIN_KEY": ADMIN_KEY},
+    )
 
 
 class Load:
@@ -117,8 +127,12 @@ def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
 
         # A cached content object is pinned on one group; drain exactly that group.
         doc = "The lighthouse tour starts at the north quay at ten and at two. " * 8
-        r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=headers, timeout=120,
-                       json={"contents": [{"parts": [{"text": doc}]}], "ttl": "600s"})
+        r = httpx.post(
+            f"{server.base}/acme/v1/cachedContents",
+            headers=headers,
+            timeout=120,
+            json={"contents": [{"parts": [{"text": doc}]}], "ttl": "600s"},
+        )
         assert r.status_code == 200, r.text
         cc = r.json()
         before, index = groups(server)
@@ -126,8 +140,11 @@ def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
         assert len(holders) == 1
         holder = holders[0]
         pinned = before[holder]["stats"]["blocks_pinned"]
-        wait_for(lambda: all(ix.get(holder, 0) > 0 for ix in groups(server)[1]), 30,
-                 "the holder's events to reach both router replicas")
+        wait_for(
+            lambda: all(ix.get(holder, 0) > 0 for ix in groups(server)[1]),
+            30,
+            "the holder's events to reach both router replicas",
+        )
 
         down = kvgrid(server, "scale", "--groups", "2", "--remove", holder)
         assert down.returncode == 0, down.stderr
@@ -142,8 +159,12 @@ def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
     load.assert_nothing_lost()
     assert len(load.ok) >= 10
     used = oa(server).chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "When does the tour start?"}], max_tokens=2,
-        temperature=0, extra_body={"cached_content": cc["name"]})
+        model="demo",
+        messages=[{"role": "user", "content": "When does the tour start?"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cached_content": cc["name"]},
+    )
     assert used.usage.prompt_tokens_details.cached_tokens >= cc["usageMetadata"]["totalTokenCount"] // 16 * 16
 
 
@@ -167,8 +188,11 @@ def test_a_killed_group_is_avoided_and_restarted_while_the_cluster_keeps_serving
         wait_for(lambda: len(load.ok) >= 3, 120, "the load to start")
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        wait_for(lambda: groups(server)[0][victim]["restarts"] == 1 and
-                 groups(server)[0][victim]["state"] == "serving", 180, "the group to restart")
+        wait_for(
+            lambda: groups(server)[0][victim]["restarts"] == 1 and groups(server)[0][victim]["state"] == "serving",
+            180,
+            "the group to restart",
+        )
         t = time.monotonic()
         wait_for(lambda: load.completed_since(t) >= 3, 120, "requests to complete after the restart")
     load.assert_nothing_lost()

@@ -47,16 +47,26 @@ def test_anthropic_cache_control_writes_then_reads_then_writes_after_the_ttl(ser
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "3s"}}]
 
     def ask(q: str):
-        return client.messages.create(model="demo", max_tokens=8, system=system,
-                                      messages=[{"role": "user", "content": q}], extra_body={"temperature": 0})
+        return client.messages.create(
+            model="demo",
+            max_tokens=8,
+            system=system,
+            messages=[{"role": "user", "content": q}],
+            extra_body={"temperature": 0},
+        )
 
     first = ask("When do you open?")
     assert first.usage.cache_creation_input_tokens > 0 and first.usage.cache_read_input_tokens == 0
     second = ask("When do you close?")
     assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
     assert second.usage.cache_creation_input_tokens == 0
-    with client.messages.stream(model="demo", max_tokens=8, system=system, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": "When do you close?"}]) as stream:
+    with client.messages.stream(
+        model="demo",
+        max_tokens=8,
+        system=system,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "When do you close?"}],
+    ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == second.content[0].text and final.usage.output_tokens == second.usage.output_tokens
@@ -65,23 +75,40 @@ def test_anthropic_cache_control_writes_then_reads_then_writes_after_the_ttl(ser
     assert third.usage.cache_creation_input_tokens > 0
     u = third.usage
     assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens == first.usage.input_tokens + (
-        first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens)
+        first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    )
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
-                               system=[{"type": "text", "text": SYSTEM,
-                                        "cache_control": {"type": "ephemeral", "ttl": "a while"}}])
+        client.messages.create(
+            model="demo",
+            max_tokens=2,
+            messages=[{"role": "user", "content": "hi"}],
+            system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "a while"}}],
+        )
 
 
 def test_anthropic_second_breakpoint_reads_the_shared_first_one(server):
     client = an(server)
-    system = [{"type": "text", "text": "Second-breakpoint check. " + SYSTEM,
-               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    system = [
+        {
+            "type": "text",
+            "text": "Second-breakpoint check. " + SYSTEM,
+            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+        }
+    ]
 
     def ask(q: str):
         return client.messages.create(
-            model="demo", max_tokens=4, system=system, extra_body={"temperature": 0},
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": q * 3, "cache_control": {"type": "ephemeral", "ttl": "5m"}}]}])
+            model="demo",
+            max_tokens=4,
+            system=system,
+            extra_body={"temperature": 0},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": q * 3, "cache_control": {"type": "ephemeral", "ttl": "5m"}}],
+                }
+            ],
+        )
 
     first = ask("Where is the shop exactly? ")
     second = ask("What does a cargo bike cost? ")
@@ -94,28 +121,39 @@ def test_anthropic_second_breakpoint_reads_the_shared_first_one(server):
 def test_cached_content_create_use_patch_delete(server):
     headers = {"Authorization": f"Bearer {ACME_KEY}"}
     doc = "The harbour ferry leaves every hour from pier four. " * 6
-    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=headers, timeout=120,
-                   json={"model": "models/demo", "contents": [{"role": "user", "parts": [{"text": doc}]}],
-                         "ttl": "600s"})
+    r = httpx.post(
+        f"{server.base}/acme/v1/cachedContents",
+        headers=headers,
+        timeout=120,
+        json={"model": "models/demo", "contents": [{"role": "user", "parts": [{"text": doc}]}], "ttl": "600s"},
+    )
     assert r.status_code == 200, r.text
     cc = r.json()
     cid = cc["name"].removeprefix("cachedContents/")
     tokens = cc["usageMetadata"]["totalTokenCount"]
     used = oa(server).chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "When does the ferry leave?"}], max_tokens=4,
-        temperature=0, extra_body={"cached_content": cc["name"]},
+        model="demo",
+        messages=[{"role": "user", "content": "When does the ferry leave?"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"cached_content": cc["name"]},
     )
     assert used.usage.prompt_tokens_details.cached_tokens >= tokens // 16 * 16 > 0
-    patched = httpx.patch(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers, json={"ttl": "30s"},
-                          timeout=120)
+    patched = httpx.patch(
+        f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers, json={"ttl": "30s"}, timeout=120
+    )
     assert patched.status_code == 200 and patched.json()["expireTime"] < cc["expireTime"]
     assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers).status_code == 200
     listed = httpx.get(f"{server.base}/acme/v1/cachedContents", headers=headers).json()["cachedContents"]
     assert cc["name"] in [c["name"] for c in listed]
     assert httpx.delete(f"{server.base}/acme/v1/cachedContents/{cid}", headers=headers).status_code == 200
     with pytest.raises(openai.NotFoundError):
-        oa(server).chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
-                                           max_tokens=2, extra_body={"cached_content": cc["name"]})
+        oa(server).chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            extra_body={"cached_content": cc["name"]},
+        )
 
 
 def test_tenants_are_separate(server):
@@ -127,18 +165,27 @@ def test_tenants_are_separate(server):
     with pytest.raises(openai.AuthenticationError):
         chat(oa(server, "globex", ACME_KEY), "hello")
     with pytest.raises(anthropic.AuthenticationError):
-        an(server, "globex", ACME_KEY).messages.create(model="demo", max_tokens=2,
-                                                       messages=[{"role": "user", "content": "hi"}])
+        an(server, "globex", ACME_KEY).messages.create(
+            model="demo", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     globex = {"Authorization": f"Bearer {GLOBEX_KEY}"}
-    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
-                   json={"contents": [{"parts": [{"text": "acme's private notes " * 10}]}], "ttl": "600s"})
+    r = httpx.post(
+        f"{server.base}/acme/v1/cachedContents",
+        headers=acme,
+        timeout=120,
+        json={"contents": [{"parts": [{"text": "acme's private notes " * 10}]}], "ttl": "600s"},
+    )
     cid = r.json()["name"].removeprefix("cachedContents/")
     assert httpx.get(f"{server.base}/globex/v1/cachedContents/{cid}", headers=globex).status_code == 404
     assert httpx.delete(f"{server.base}/globex/v1/cachedContents/{cid}", headers=globex).status_code == 404
     with pytest.raises(openai.NotFoundError):
-        other.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                      extra_body={"cached_content": f"cachedContents/{cid}"})
+        other.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"cached_content": f"cachedContents/{cid}"},
+        )
     assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=acme).status_code == 200
 
 
@@ -151,8 +198,12 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server):
     with pytest.raises(openai.APIStatusError) as too_long:
         client.completions.create(model="demo", prompt=[5] * 2000, max_tokens=2)
     assert too_long.value.status_code == 413
-    big = httpx.post(f"{server.base}/acme/v1/chat/completions", headers={"Authorization": f"Bearer {ACME_KEY}"},
-                     content=b"x" * (5 * 2**20), timeout=60)
+    big = httpx.post(
+        f"{server.base}/acme/v1/chat/completions",
+        headers={"Authorization": f"Bearer {ACME_KEY}"},
+        content=b"x" * (5 * 2**20),
+        timeout=60,
+    )
     assert big.status_code == 413
     with pytest.raises(anthropic.BadRequestError):
         an(server).messages.create(model="demo", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
@@ -165,8 +216,14 @@ def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
     client = oa(server)
 
     def complete(seed: int, **extra):
-        return client.completions.create(model="demo", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=128,
-                                         temperature=1.0, seed=seed, extra_body=extra)
+        return client.completions.create(
+            model="demo",
+            prompt=[5, 6, 7, 8, 9, 10, 11, 12],
+            max_tokens=128,
+            temperature=1.0,
+            seed=seed,
+            extra_body=extra,
+        )
 
     stopped = next(((s, out) for s in range(16) if (out := complete(s)).choices[0].finish_reason == "stop"), None)
     assert stopped is not None, "no seed made the demo model stop early: the test needs one"
@@ -182,8 +239,12 @@ def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
 @pytest.mark.restarts_server
 def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, redis_url):
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
-    r = httpx.post(f"{server.base}/acme/v1/cachedContents", headers=acme, timeout=120,
-                   json={"contents": [{"parts": [{"text": "kept across restarts " * 8}]}], "ttl": "600s"})
+    r = httpx.post(
+        f"{server.base}/acme/v1/cachedContents",
+        headers=acme,
+        timeout=120,
+        json={"contents": [{"parts": [{"text": "kept across restarts " * 8}]}], "ttl": "600s"},
+    )
     cid = r.json()["name"].removeprefix("cachedContents/")
     chat(oa(server), "One more question")
     before = _written_usage(redis_url)

@@ -37,8 +37,13 @@ def child_pid(pidfile: Path) -> int:
 
 
 def serve(tmp_path: Path, code: str):
-    return side_by_side.Served("fake", [sys.executable, "-c", _SERVER + code, str(tmp_path / "pid")], dict(os.environ),
-                               "http://127.0.0.1:9/v1", tmp_path / "log")
+    return side_by_side.Served(
+        "fake",
+        [sys.executable, "-c", _SERVER + code, str(tmp_path / "pid")],
+        dict(os.environ),
+        "http://127.0.0.1:9/v1",
+        tmp_path / "log",
+    )
 
 
 def test_a_server_that_exits_during_startup_takes_its_children_with_it(tmp_path):

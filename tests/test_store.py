@@ -58,11 +58,17 @@ def run(coro_fn, url: str, timeout_s: float = 5.0):
 
 # -- keys ---------------------------------------------------------------------------------------------------------
 
+
 def test_keyring_accepts_a_tenants_own_keys_only():
-    ring = KeyRing.from_config(ServeConfig(
-        admin_keys=["sk-admin-0123456789"],
-        tenants=[TenantConfig(name="acme", api_keys=["sk-acme-123", "sk-acme-456"]),
-                 TenantConfig(name="globex", api_keys=["sk-globex-1"])]))
+    ring = KeyRing.from_config(
+        ServeConfig(
+            admin_keys=["sk-admin-0123456789"],
+            tenants=[
+                TenantConfig(name="acme", api_keys=["sk-acme-123", "sk-acme-456"]),
+                TenantConfig(name="globex", api_keys=["sk-globex-1"]),
+            ],
+        )
+    )
     assert ring.authenticate("acme", "sk-acme-123") and ring.authenticate("acme", "sk-acme-456")
     assert not ring.authenticate("acme", "sk-acme-124")  # wrong key
     assert not ring.authenticate("globex", "sk-acme-123")  # another tenant's key
@@ -73,6 +79,7 @@ def test_keyring_accepts_a_tenants_own_keys_only():
 
 
 # -- Redis paused or down ---------------------------------------------------------------------------------------
+
 
 def test_a_paused_redis_fails_every_store_call_fast_and_they_work_again_after(server, url):
     timeout = 0.5
@@ -85,13 +92,16 @@ def test_a_paused_redis_fails_every_store_call_fast_and_they_work_again_after(se
         ledger.record("acme", requests=1)
         await ledger.flush()
         calls = {
-            "ledger.flush": ledger.flush, "ledger.totals": lambda: ledger.totals("acme"),
+            "ledger.flush": ledger.flush,
+            "ledger.totals": lambda: ledger.totals("acme"),
             "contents.create": lambda: contents.create("acme", {"text": "x"}, [4], ttl_s=60),
-            "contents.get": lambda: contents.get("acme", cc.id), "contents.list": lambda: contents.list("acme"),
+            "contents.get": lambda: contents.get("acme", cc.id),
+            "contents.list": lambda: contents.list("acme"),
             "contents.set_ttl": lambda: contents.set_ttl("acme", cc.id, 120),
             "contents.delete": lambda: contents.delete("acme", "cachedContents/missing"),
             "entries.ttl_left": lambda: entries.ttl_left("acme", entry),
-            "entries.keep": lambda: entries.keep("acme", entry, 30), "limiter.admit": lambda: limiter.admit("acme", 5),
+            "entries.keep": lambda: entries.keep("acme", entry, 30),
+            "limiter.admit": lambda: limiter.admit("acme", 5),
         }
 
         async def timed(call):
@@ -181,6 +191,7 @@ def test_ledger_totals_include_what_is_still_buffered(url):
 
 # -- cached contents ----------------------------------------------------------------------------------------------
 
+
 def test_cached_content_lifecycle_and_tenant_isolation(url):
     async def scenario(client):
         store = CachedContentStore(client, None, None)
@@ -232,11 +243,13 @@ def test_concurrent_creates_cannot_pass_the_limit_together(url):
         store = CachedContentStore(client, max_per_tenant=5, max_tokens_per_tenant=None)
         for _ in range(4):
             await store.create("acme", {}, [1, 2], ttl_s=60)
-        results = await asyncio.gather(*(store.create("acme", {}, [3], ttl_s=60) for _ in range(20)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.create("acme", {}, [3], ttl_s=60) for _ in range(20)), return_exceptions=True
+        )
         by_tokens = CachedContentStore(client, max_per_tenant=None, max_tokens_per_tenant=100)
-        token_results = await asyncio.gather(*(by_tokens.create("globex", {}, [1] * 30, ttl_s=60) for _ in range(20)),
-                                             return_exceptions=True)
+        token_results = await asyncio.gather(
+            *(by_tokens.create("globex", {}, [1] * 30, ttl_s=60) for _ in range(20)), return_exceptions=True
+        )
         return results, token_results, len(await store.list("acme")), len(await store.list("globex"))
 
     results, token_results, n_acme, n_globex = run(scenario, url)
@@ -271,6 +284,7 @@ def test_listing_reads_the_tenants_index_not_the_keyspace(url):
 
 
 # -- explicit entries and rates -----------------------------------------------------------------------------------
+
 
 def test_entries_keep_their_longest_ttl_and_belong_to_one_tenant(url):
     tokens = [5, 6, 7, 8]
@@ -333,6 +347,7 @@ def test_serve_takes_the_redis_password_from_the_environment(tmp_path, monkeypat
 
 # -- config -------------------------------------------------------------------------------------------------------
 
+
 def test_store_limits_and_timeout_come_from_the_config(tmp_path):
     path = tmp_path / "kvgrid.yaml"
     path.write_text("tenants:\n  - name: acme\n    api_keys: [sk-acme-1]\n")
@@ -340,9 +355,11 @@ def test_store_limits_and_timeout_come_from_the_config(tmp_path):
     limits = cfg.tenants[0].limits
     assert cfg.redis_timeout_s == 1.0 and limits.max_inflight_requests == 256
     assert limits.max_cached_contents == 100 and limits.max_cached_content_tokens == 1_000_000
-    for bad, field in [("redis_timeout_s: 0\n", "redis_timeout_s"),
-                       ("    limits: {max_cached_contents: -1}\n", r"tenants\.0\.limits\.max_cached_contents"),
-                       ("    limits: {max_inflight_requests: 0}\n", r"tenants\.0\.limits\.max_inflight_requests")]:
+    for bad, field in [
+        ("redis_timeout_s: 0\n", "redis_timeout_s"),
+        ("    limits: {max_cached_contents: -1}\n", r"tenants\.0\.limits\.max_cached_contents"),
+        ("    limits: {max_inflight_requests: 0}\n", r"tenants\.0\.limits\.max_inflight_requests"),
+    ]:
         text = bad + "tenants:\n  - name: acme\n    api_keys: [sk-acme-1]\n"
         if bad.startswith("    "):
             text = "tenants:\n  - name: acme\n    api_keys: [sk-acme-1]\n" + bad

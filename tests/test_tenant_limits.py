@@ -20,7 +20,9 @@ TENANTS = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", INITECH_KEY)]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # 4 MiB of KV per group = 64 blocks of 16 tokens: a few long prompts cycle the whole cache.
-    with serving(tmp_path_factory, f"""
+    with serving(
+        tmp_path_factory,
+        f"""
 kv_cache_bytes: 4194304
 admin_keys: [{ADMIN_KEY}]
 tenants:
@@ -34,26 +36,40 @@ tenants:
   - name: initech
     api_keys: [{INITECH_KEY}]
     limits: {{tokens_per_min: 1000}}
-""", TENANTS) as srv:
+""",
+        TENANTS,
+    ) as srv:
         yield srv
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(["harbour", "ferry", "bicycle", "lantern", "quay", "tide", "gull", "rope", "sail",
-                                "pier", "anchor", "dune"]) + str(rng.randrange(1000)) for _ in range(n))
+    return " ".join(
+        rng.choice(
+            ["harbour", "ferry", "bicycle", "lantern", "quay", "tide", "gull", "rope", "sail", "pier", "anchor", "dune"]
+        )
+        + str(rng.randrange(1000))
+        for _ in range(n)
+    )
 
 
 def complete(server, tenant: str, key: str, prompt: str | list[int], max_tokens: int = 2) -> httpx.Response:
-    return httpx.post(f"{server.base}/{tenant}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                      json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-                      timeout=120)
+    return httpx.post(
+        f"{server.base}/{tenant}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=120,
+    )
 
 
 def test_the_routers_index_never_shares_a_prompt_between_tenants(server):
     tokens = [random.Random(4).randrange(5, 4000) for _ in range(200)]
     for tenant, key in (("acme", ACME_KEY), ("acme", ACME_KEY), ("initech", INITECH_KEY)):
-        r = httpx.post(f"{server.base}/{tenant}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                       json={"model": "demo", "prompt": tokens, "max_tokens": 1}, timeout=120)
+        r = httpx.post(
+            f"{server.base}/{tenant}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "demo", "prompt": tokens, "max_tokens": 1},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -67,8 +83,14 @@ def test_the_routers_index_never_shares_a_prompt_between_tenants(server):
         time.sleep(0.2)  # the groups' events reach the router
     assert max(match("acme").values()) == len(tokens) // 16 and max(match("initech").values()) == len(tokens) // 16
     assert match("globex") == {}  # the same tokens under another tenant's root: nothing in the index
-    assert httpx.post(f"{server.base}/admin/v1/match", headers={"Authorization": f"Bearer {ACME_KEY}"},
-                      json={"tenant": "acme", "token_ids": tokens}).status_code == 401
+    assert (
+        httpx.post(
+            f"{server.base}/admin/v1/match",
+            headers={"Authorization": f"Bearer {ACME_KEY}"},
+            json={"tenant": "acme", "token_ids": tokens},
+        ).status_code
+        == 401
+    )
 
 
 def test_long_prompts_get_413_for_the_limited_tenant_only(server):
@@ -121,19 +143,32 @@ def test_a_flooding_tenant_cannot_evict_anothers_pins_or_its_cached_working_set(
     implicit_system = "Implicitly cached notes of the ferry desk. " + words(rng, 40)
     globex = an(server)
     system = [{"type": "text", "text": pinned_system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
-    first = globex.messages.create(model="demo", max_tokens=2, system=system, extra_body={"temperature": 0},
-                                   messages=[{"role": "user", "content": "Opening hours?"}])
+    first = globex.messages.create(
+        model="demo",
+        max_tokens=2,
+        system=system,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Opening hours?"}],
+    )
     assert first.usage.cache_creation_input_tokens > 0
     headers = {"Authorization": f"Bearer {GLOBEX_KEY}"}
-    cc = httpx.post(f"{server.base}/globex/v1/cachedContents", headers=headers, timeout=120,
-                    json={"contents": [{"parts": [{"text": "Tide tables. " + words(rng, 15)}]}], "ttl": "600s"})
+    cc = httpx.post(
+        f"{server.base}/globex/v1/cachedContents",
+        headers=headers,
+        timeout=120,
+        json={"contents": [{"parts": [{"text": "Tide tables. " + words(rng, 15)}]}], "ttl": "600s"},
+    )
     assert cc.status_code == 200, cc.text
     client = oa(server, "globex", GLOBEX_KEY)
 
     def ask(system_text: str, **kw):
         return client.chat.completions.create(
-            model="demo", max_tokens=2, temperature=0, **kw,
-            messages=[{"role": "system", "content": system_text}, {"role": "user", "content": "Anything new?"}])
+            model="demo",
+            max_tokens=2,
+            temperature=0,
+            **kw,
+            messages=[{"role": "system", "content": system_text}, {"role": "user", "content": "Anything new?"}],
+        )
 
     ask(implicit_system)
     working_set = ask(implicit_system).usage.prompt_tokens_details.cached_tokens
@@ -155,8 +190,12 @@ def test_a_flooding_tenant_cannot_evict_anothers_pins_or_its_cached_working_set(
     assert ask(pinned_system).usage.prompt_tokens_details.cached_tokens >= first.usage.cache_creation_input_tokens
     # ... so is the cached content ...
     used = client.chat.completions.create(
-        model="demo", max_tokens=2, temperature=0, extra_body={"cached_content": cc.json()["name"]},
-        messages=[{"role": "user", "content": "High tide?"}])
+        model="demo",
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cached_content": cc.json()["name"]},
+        messages=[{"role": "user", "content": "High tide?"}],
+    )
     assert used.usage.prompt_tokens_details.cached_tokens >= cc.json()["usageMetadata"]["totalTokenCount"] // 16 * 16
     # ... and globex's implicitly cached prefix, far below its half of the cache, survived the flood.
     assert ask(implicit_system).usage.prompt_tokens_details.cached_tokens == working_set

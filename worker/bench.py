@@ -47,8 +47,9 @@ def run(
     as_json: bool = False,
     cuda_graphs: bool = True,
 ) -> dict:
-    engine = Engine(EngineConfig(
-        model=model, device=device, max_num_batched_tokens=max(2048, prompt_len), cuda_graphs=cuda_graphs))
+    engine = Engine(
+        EngineConfig(model=model, device=device, max_num_batched_tokens=max(2048, prompt_len), cuda_graphs=cuda_graphs)
+    )
     bs = engine.config.block_size
     if cached % bs or not 0 < cached < prompt_len:
         raise ValueError(f"cached must be a multiple of the block size ({bs}) below the prompt length")

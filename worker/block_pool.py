@@ -139,8 +139,10 @@ class BlockPool:
         blocks for its share."""
         if len(self.free_queue):
             return self.free_queue.popleft()
-        tenant = max((t for t, q in self.cached_queues.items() if len(q)),
-                     key=lambda t: self.resident[t] / self.shares.get(t, 1.0))
+        tenant = max(
+            (t for t, q in self.cached_queues.items() if len(q)),
+            key=lambda t: self.resident[t] / self.shares.get(t, 1.0),
+        )
         self._num_cached_free -= 1
         return self.cached_queues[tenant].popleft()
 

@@ -138,7 +138,8 @@ class Engine:
         self.max_model_len = max_model_len(mcfg, config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_path)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares)
+            self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
@@ -275,7 +276,10 @@ class Engine:
         """Pin (or refresh) the request's registered blocks inside its pinned prefix."""
         upto = min(seq.pin_blocks, seq.num_registered_blocks)
         seq.num_pinned_blocks = self.kv.pin(
-            seq.block_keys[:upto], now + seq.pin_ttl_s, seq.tenant, self.pin_limit_blocks(seq.tenant),
+            seq.block_keys[:upto],
+            now + seq.pin_ttl_s,
+            seq.tenant,
+            self.pin_limit_blocks(seq.tenant),
             int(self.config.max_pinned_fraction * self.num_blocks),
         )
         if seq.num_pinned_blocks < upto:  # a limit was reached: stop asking for this request
@@ -348,8 +352,11 @@ class Engine:
     def stats(self) -> EngineStats:
         usage = self.kv.usage()
         sched = self.scheduler
-        queued = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
-                     if s.num_tokens - s.num_computed_tokens > 1)
+        queued = sum(
+            s.num_tokens - s.num_computed_tokens
+            for s in [*sched.waiting, *sched.running]
+            if s.num_tokens - s.num_computed_tokens > 1
+        )
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),

@@ -71,8 +71,9 @@ def frontend_actor_options() -> dict:
     return {"num_cpus": 0}
 
 
-def run(config_path: str, address: str | None = None, redis_url: str | None = None,
-        stop: threading.Event | None = None) -> int:
+def run(
+    config_path: str, address: str | None = None, redis_url: str | None = None, stop: threading.Event | None = None
+) -> int:
     from ray import serve
 
     from common.hashing import new_secret
@@ -97,32 +98,58 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
 
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         engine = EngineConfig(
-            model=model_path, block_size=cfg.block_size, device="cuda" if use_gpu else "cpu",
-            kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len, secret=secret,
-            step_timeout_s=cfg.step_timeout_s, cuda_graphs=cfg.cuda_graphs,
+            model=model_path,
+            block_size=cfg.block_size,
+            device="cuda" if use_gpu else "cpu",
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            max_model_len=cfg.max_model_len,
+            secret=secret,
+            step_timeout_s=cfg.step_timeout_s,
+            cuda_graphs=cfg.cuda_graphs,
             decode_threads=None if use_gpu else cfg.decode_threads,
-            pinned_token_limits={t.name: t.cache.max_pinned_tokens for t in cfg.tenants
-                                 if t.cache.max_pinned_tokens is not None},
+            pinned_token_limits={
+                t.name: t.cache.max_pinned_tokens for t in cfg.tenants if t.cache.max_pinned_tokens is not None
+            },
             tenant_shares={t.name: t.cache.share for t in cfg.tenants},
         )
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
         routers: list[RouterHandle] = [
             # Ray restarts a dead replica; the supervisor hands it the groups again (see RouterService).
-            ray.remote(RouterService).options(
-                name=f"kvgrid-router-{i}", scheduling_strategy="SPREAD", max_restarts=-1, **front,
-            ).remote(
-                {}, secret, cfg.block_size, redis_url=url, max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
-                tenant_shares={t.name: t.cache.share for t in cfg.tenants}, supervisor=SUPERVISOR_NAME)
+            ray.remote(RouterService)
+            .options(
+                name=f"kvgrid-router-{i}",
+                scheduling_strategy="SPREAD",
+                max_restarts=-1,
+                **front,
+            )
+            .remote(
+                {},
+                secret,
+                cfg.block_size,
+                redis_url=url,
+                max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
+                tenant_shares={t.name: t.cache.share for t in cfg.tenants},
+                supervisor=SUPERVISOR_NAME,
+            )
             for i in range(cfg.router_replicas)
         ]
-        template = GroupConfig("g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url,
-                               cpus_per_rank=cfg.rank_threads)
+        template = GroupConfig(
+            "g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url, cpus_per_rank=cfg.rank_threads
+        )
         # Ray restarts a dead supervisor, which adopts the running groups; its calls (scale to N, describe,
         # shutdown) are safe to run again, so a call it died in is retried on the new one.
-        supervisor = ray.remote(Supervisor).options(
-            name=SUPERVISOR_NAME, max_concurrency=16, max_restarts=-1, max_task_retries=3, **front,
-        ).remote(template, routers, url, max_groups=cfg.group_limit)
+        supervisor = (
+            ray.remote(Supervisor)
+            .options(
+                name=SUPERVISOR_NAME,
+                max_concurrency=16,
+                max_restarts=-1,
+                max_task_retries=3,
+                **front,
+            )
+            .remote(template, routers, url, max_groups=cfg.group_limit)
+        )
         # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
         ray.get(supervisor.scale.remote(cfg.groups))  # type: ignore[attr-defined]
         # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
@@ -130,10 +157,13 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         check_port_free(cfg.http.host, cfg.http.port)
         serve.start(proxy_location="Disabled")
         keys = KeyRing.from_config(cfg)
-        public = cfg.model_copy(update={"admin_keys": [], "tenants": [
-            t.model_copy(update={"api_keys": []}) for t in cfg.tenants]})
+        public = cfg.model_copy(
+            update={"admin_keys": [], "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants]}
+        )
         app = GatewayReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy ignores class decorators
-            name="kvgrid-gateway", num_replicas=cfg.http.replicas, health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
+            name="kvgrid-gateway",
+            num_replicas=cfg.http.replicas,
+            health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
             ray_actor_options=front,
         ).bind(public, keys, model_path, routers, url, supervisor if cfg.admin_keys else None)
         serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
@@ -142,14 +172,19 @@ def run(config_path: str, address: str | None = None, redis_url: str | None = No
         print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
         for t in cfg.tenants:
             print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
-        print(f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)" if cfg.admin_keys else
-              "  admin API: off (no admin_keys in the config)")
+        print(
+            f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)"
+            if cfg.admin_keys
+            else "  admin API: off (no admin_keys in the config)"
+        )
         t0 = cfg.tenants[0]
         print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
-        print(f"  curl -s {base}/{t0.name}/v1/chat/completions -H \"Authorization: Bearer $KVGRID_API_KEY\" "
-              "-H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{cfg.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-              "\"max_tokens\": 16}'")
+        print(
+            f'  curl -s {base}/{t0.name}/v1/chat/completions -H "Authorization: Bearer $KVGRID_API_KEY" '
+            "-H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{cfg.model_id}", "messages": [{{"role": "user", "content": "Hello"}}], '
+            '"max_tokens": 16}\''
+        )
         print("ready", flush=True)
         stop = stop or threading.Event()
         if threading.current_thread() is threading.main_thread():

@@ -61,9 +61,9 @@ class _AdminError(Exception):
 
 async def _admin_error(_: Request, exc: _AdminError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None  # the cluster is restarting: retry
-    return JSONResponse({"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status,
-                        headers=headers)
-
+    return JSONResponse(
+        {"error": {"message": exc.message, "code": exc.status}}, status_code=exc.status, headers=headers
+    )
 
 
 async def _parse(request: Request, model: type[BaseModel]):
@@ -103,8 +103,14 @@ _GAUGES = [  # (name, help, EngineStats field)
 class Admin:
     """``keys`` holds the admin keys' hashes under the name ``admin`` (``KeyRing.from_config``)."""
 
-    def __init__(self, keys: KeyRing, tenants: list[str], supervisor: SupervisorHandle, routers: list[RouterHandle],
-                 docs: bool = False) -> None:
+    def __init__(
+        self,
+        keys: KeyRing,
+        tenants: list[str],
+        supervisor: SupervisorHandle,
+        routers: list[RouterHandle],
+        docs: bool = False,
+    ) -> None:
         self.keys = keys
         self.tenants = set(tenants)
         self.supervisor, self.routers = supervisor, list(routers)
@@ -140,8 +146,9 @@ class Admin:
     async def docs(self, request: Request):
         if not self.docs_on:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
-                                   title="kvgrid admin")
+        return get_swagger_ui_html(
+            openapi_url=request.scope.get("root_path", "") + "/openapi.json", title="kvgrid admin"
+        )
 
     @routes.get("/v1/groups")
     async def groups(self, request: Request):
@@ -158,15 +165,20 @@ class Admin:
                 routers.append(await asyncio.wait_for(r.info.remote(), CALL_TIMEOUT_S))
             except (TimeoutError, RayError):
                 routers.append(None)
-        return {"groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S), "index_keys": index_keys,
-                "supervisor": await _call(self.supervisor.info.remote()), "routers": routers}
+        return {
+            "groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S),
+            "index_keys": index_keys,
+            "supervisor": await _call(self.supervisor.info.remote()),
+            "routers": routers,
+        }
 
     @routes.post("/v1/scale")
     async def scale(self, request: Request):
         self._auth(request)
         body: ScaleRequest = await _parse(request, ScaleRequest)
-        groups = await _call(self.supervisor.scale.remote(body.groups, body.remove, body.drain_timeout_s),
-                             SCALE_TIMEOUT_S)
+        groups = await _call(
+            self.supervisor.scale.remote(body.groups, body.remove, body.drain_timeout_s), SCALE_TIMEOUT_S
+        )
         return {"groups": groups}
 
     @routes.post("/v1/match")

@@ -106,13 +106,30 @@ class AnthropicApi:
             run = await primed(run)
             return SlotStream(self._stream(t, run, mid, claim_write, claim_read))
         out, _ = await last(run)
-        return self._reply(mid, [TextBlock(text=out.text)], _stop_reason(out), _stop_sequence(out),
-                           self._usage(t, out, claim_write, claim_read))
+        return self._reply(
+            mid,
+            [TextBlock(text=out.text)],
+            _stop_reason(out),
+            _stop_sequence(out),
+            self._usage(t, out, claim_write, claim_read),
+        )
 
-    def _reply(self, mid: str, content: list[TextBlock], stop_reason: str | None, stop_sequence: str | None,
-               usage: AnthropicUsage) -> AnthropicMessageReply:
-        return AnthropicMessageReply(id=mid, model=self.gw.model_id, content=content, stop_reason=stop_reason,
-                                     stop_sequence=stop_sequence, usage=usage)
+    def _reply(
+        self,
+        mid: str,
+        content: list[TextBlock],
+        stop_reason: str | None,
+        stop_sequence: str | None,
+        usage: AnthropicUsage,
+    ) -> AnthropicMessageReply:
+        return AnthropicMessageReply(
+            id=mid,
+            model=self.gw.model_id,
+            content=content,
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
+            usage=usage,
+        )
 
     def _prompt(self, t: Tenant, body: MessagesRequest) -> tuple[ChatPrompt, list[tuple[int, float]]]:
         """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint."""
@@ -160,8 +177,12 @@ class AnthropicApi:
             read = min(claim_read, out.num_cached_tokens)
             write = min(claim_read + claim_write - read, max(0, out.num_pinned_tokens - read))
             read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
-        return AnthropicUsage(input_tokens=n_prompt - write - read, cache_creation_input_tokens=write,
-                              cache_read_input_tokens=read, output_tokens=len(out.token_ids))
+        return AnthropicUsage(
+            input_tokens=n_prompt - write - read,
+            cache_creation_input_tokens=write,
+            cache_read_input_tokens=read,
+            output_tokens=len(out.token_ids),
+        )
 
     async def _stream(self, t: Tenant, run: Run, mid: str, claim_write: int, claim_read: int) -> AsyncIterator[str]:
         try:
@@ -177,9 +198,12 @@ class AnthropicApi:
                     yield anthropic_event(ContentBlockDelta(delta=TextDelta(text=out.delta_text)))
             if out is not None:
                 yield anthropic_event(ContentBlockStop())
-                yield anthropic_event(MessageDelta(
-                    delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
-                    usage=self._usage(t, out, claim_write, claim_read)))
+                yield anthropic_event(
+                    MessageDelta(
+                        delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
+                        usage=self._usage(t, out, claim_write, claim_read),
+                    )
+                )
                 yield anthropic_event(MessageStop())
         except ApiError as exc:
             yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))

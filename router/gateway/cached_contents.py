@@ -31,8 +31,9 @@ class CachedContentsApi:
         tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client
         leaves."""
         gw = self.gw
-        run = gw.generate(t, tokens, SamplingParams(max_tokens=1, temperature=0.0), API, len(tokens), ttl, no_account,
-                          True)
+        run = gw.generate(
+            t, tokens, SamplingParams(max_tokens=1, temperature=0.0), API, len(tokens), ttl, no_account, True
+        )
         out, predicted = await last(watched(request, run, API))
         read = min(out.num_cached_tokens, len(tokens))
         gw.account(t, out, predicted, read, write=len(tokens) - read, read=read)

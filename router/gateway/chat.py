@@ -100,8 +100,10 @@ def _render(
     template, order = pieces[0::2], [int(i) for i in pieces[1::2]]
     if any(end in piece.lower() for piece in template for end in (nonce[:8], nonce[-8:])):
         # Contents cut or rewritten beyond recognition (``content[:100]``): their regions cannot be known.
-        raise ChatTemplateError("the model's chat template rewrites message contents in a way that cannot be "
-                                "rendered safely; use a template that inserts them as they are")
+        raise ChatTemplateError(
+            "the model's chat template rewrites message contents in a way that cannot be "
+            "rendered safely; use a template that inserts them as they are"
+        )
     contents = [messages[i]["content"] for i in order]
     text = _apply(tokenizer, messages, add_generation_prompt)
     spans = _align(text, template, contents)

@@ -65,8 +65,7 @@ class OpenAIApi:
     async def _chat_completions(self, t: Tenant, request: Request):
         gw = self.gw
         body: ChatRequest = await self._read(request, ChatRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                    for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
         prefix, ttl = await gw.cached_prefix(t, body.cached_content, API)
         prompt = prefix + gw.chat(messages, API).token_ids
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
@@ -86,13 +85,23 @@ class OpenAIApi:
             raise err(400, "prompt: token id outside the vocabulary", API)
         return await self._respond(t, request, body, prefix + tokens, len(prefix), ttl, body.max_tokens, chat=False)
 
-    async def _respond(self, t: Tenant, request: Request, body: ChatRequest | CompletionRequest, prompt: list[int],
-                       pin: int, ttl: float, max_tokens: int, chat: bool):
+    async def _respond(
+        self,
+        t: Tenant,
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        pin: int,
+        ttl: float,
+        max_tokens: int,
+        chat: bool,
+    ):
         """Run a chat or text completion and answer it, streamed or whole."""
         gw = self.gw
         await gw.admit(t, prompt, max_tokens, API)
-        params = gw.params(max_tokens, body.temperature, body.top_p, body.stop, body.seed, API,
-                           ignore_eos=body.ignore_eos)
+        params = gw.params(
+            max_tokens, body.temperature, body.top_p, body.stop, body.seed, API, ignore_eos=body.ignore_eos
+        )
 
         def account(out: RequestOutput, predicted: int) -> None:
             gw.account(t, out, predicted, gw.reported_cached(t, out.num_cached_tokens))
@@ -107,23 +116,41 @@ class OpenAIApi:
         out, _ = await last(run)
         usage = self._usage(t, out)
         if chat:
-            return ChatCompletion(id=rid, created=created, model=gw.model_id, usage=usage, choices=[ChatChoice(
-                message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)])
-        return TextCompletion(id=rid, created=created, model=gw.model_id, usage=usage, choices=[CompletionChoice(
-            text=out.text, finish_reason=out.finish_reason)])
+            return ChatCompletion(
+                id=rid,
+                created=created,
+                model=gw.model_id,
+                usage=usage,
+                choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+            )
+        return TextCompletion(
+            id=rid,
+            created=created,
+            model=gw.model_id,
+            usage=usage,
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+        )
 
     def _usage(self, t: Tenant, out: RequestOutput) -> OpenAIUsage:
         """The request's usage, its cached tokens as the tenant's policy reports them."""
-        return OpenAIUsage.of(len(out.prompt_token_ids), len(out.token_ids),
-                              self.gw.reported_cached(t, out.num_cached_tokens))
+        return OpenAIUsage.of(
+            len(out.prompt_token_ids), len(out.token_ids), self.gw.reported_cached(t, out.num_cached_tokens)
+        )
 
-    async def _stream(self, t: Tenant, run: Run, rid: str, created: int, usage_wanted: bool,
-                      chat: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, t: Tenant, run: Run, rid: str, created: int, usage_wanted: bool, chat: bool
+    ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: ChatChunkChoice | CompletionChunkChoice | None, usage: OpenAIUsage | None = None) -> str:
-            return OpenAIChunk(id=rid, object=obj, created=created, model=self.gw.model_id,
-                               choices=[] if choice is None else [choice], usage=usage).sse()
+            return OpenAIChunk(
+                id=rid,
+                object=obj,
+                created=created,
+                model=self.gw.model_id,
+                choices=[] if choice is None else [choice],
+                usage=usage,
+            ).sse()
 
         try:
             if chat:
@@ -132,9 +159,11 @@ class OpenAIApi:
             async for out, _ in run:
                 if out.delta_text or out.finished:
                     reason = out.finish_reason
-                    yield chunk(ChatChunkChoice(delta=ChatDelta(content=out.delta_text), finish_reason=reason)
-                                if chat else
-                                CompletionChunkChoice(text=out.delta_text, finish_reason=reason))
+                    yield chunk(
+                        ChatChunkChoice(delta=ChatDelta(content=out.delta_text), finish_reason=reason)
+                        if chat
+                        else CompletionChunkChoice(text=out.delta_text, finish_reason=reason)
+                    )
             if out is not None and usage_wanted:
                 yield chunk(None, self._usage(t, out))
         except ApiError as exc:

@@ -106,8 +106,11 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_leng
 # Tagged by the JSON type, so an error names the shape that was sent ("prompt.token_ids.3: ...").
 Prompt = Annotated[
     Annotated[Text, Tag("text")] | Annotated[TokenIds, Tag("token_ids")],
-    Discriminator(_prompt_kind, custom_error_type="prompt_type",
-                  custom_error_message="prompt must be a string or a list of token ids"),
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="prompt must be a string or a list of token ids",
+    ),
 ]
 
 
@@ -138,8 +141,11 @@ class _OpenAIRequest(_Body):
     model: Name
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: Annotated[Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
-                    BeforeValidator(_one_or_list), Field(None, json_schema_extra=_one_or_list_schema)]
+    stop: Annotated[
+        Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
+        BeforeValidator(_one_or_list),
+        Field(None, json_schema_extra=_one_or_list_schema),
+    ]
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -149,8 +155,7 @@ class _OpenAIRequest(_Body):
     # Validated only: the engine does not apply these.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Name | None = None
 
 
@@ -309,8 +314,12 @@ class OpenAIUsage(_Reply):
 
     @classmethod
     def of(cls, prompt: int, completion: int, cached: int) -> OpenAIUsage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 class AssistantMessage(_Reply):
@@ -483,8 +492,15 @@ class MessageStop(_Reply):
     type: Literal["message_stop"] = "message_stop"
 
 
-AnthropicEvent = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | \
-    MessageStop | AnthropicError  # an error event carries what an error body does
+AnthropicEvent = (
+    MessageStart
+    | ContentBlockStart
+    | ContentBlockDelta
+    | ContentBlockStop
+    | MessageDelta
+    | MessageStop
+    | AnthropicError
+)  # an error event carries what an error body does
 
 
 def anthropic_event(event: AnthropicEvent) -> str:

@@ -35,7 +35,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 USAGE_FIELDS = (
-    "requests", "prompt_tokens", "cached_tokens", "output_tokens", "cache_write_tokens", "cache_read_tokens",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "cache_write_tokens",
+    "cache_read_tokens",
 )
 
 
@@ -57,7 +62,9 @@ def connect(url: str, timeout_s: float = 1.0) -> redis.asyncio.Redis:
     (Redis restarted) is retried once on a fresh one; a timeout is not retried (a paused Redis would only cost
     another timeout)."""
     return redis.asyncio.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     )
 
@@ -290,9 +297,13 @@ class CachedContent:
 
     def public(self) -> CachedContentReply:
         """What the API shows (never the tenant's key material or token ids)."""
-        return CachedContentReply(name=self.id, contents=self.content,
-                                  usageMetadata=UsageMetadata(totalTokenCount=len(self.token_ids)),
-                                  createTime=_iso(self.created), expireTime=_iso(self.expires))
+        return CachedContentReply(
+            name=self.id,
+            contents=self.content,
+            usageMetadata=UsageMetadata(totalTokenCount=len(self.token_ids)),
+            createTime=_iso(self.created),
+            expireTime=_iso(self.expires),
+        )
 
 
 def _iso(t: float) -> str:
@@ -324,7 +335,9 @@ end
 
 # KEYS: index, tokens, object. ARGV: prefix, now_ms, expires_ms, ttl_ms, body, id, n_tokens, max_count,
 # max_tokens (-1 = none). Returns {0} when stored, {1, count} over the count limit, {2, total} over the tokens one.
-_CREATE = _PRUNE + """
+_CREATE = (
+    _PRUNE
+    + """
 local live, total = prune(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local n, max_count, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if max_count >= 0 and #live >= max_count then return {1, #live} end
@@ -334,9 +347,12 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[6])
 redis.call('HSET', KEYS[2], ARGV[6], n)
 return {0}
 """
+)
 
 # KEYS: index, tokens. ARGV: prefix, now_ms. Returns {id, body, pttl_ms} triples of the live objects.
-_LIST = _PRUNE + """
+_LIST = (
+    _PRUNE
+    + """
 local live = prune(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local out = {}
 for _, cid in ipairs(live) do
@@ -345,6 +361,7 @@ for _, cid in ipairs(live) do
 end
 return out
 """
+)
 
 # KEYS: index, object. ARGV: id, ttl_ms, expires_ms. Returns {body, pttl_ms}, or nil if there is no object.
 _SET_TTL = """
@@ -367,8 +384,9 @@ class CachedContentStore(_Backed):
     ``max_tokens_per_tenant`` tokens together (None: no limit); the check and the insert are one script, so
     concurrent creates cannot pass the limits together."""
 
-    def __init__(self, client: redis.asyncio.Redis, max_per_tenant: int | None = None,
-                 max_tokens_per_tenant: int | None = None) -> None:
+    def __init__(
+        self, client: redis.asyncio.Redis, max_per_tenant: int | None = None, max_tokens_per_tenant: int | None = None
+    ) -> None:
         super().__init__(client)
         self.max_per_tenant, self.max_tokens_per_tenant = max_per_tenant, max_tokens_per_tenant
         self._create = client.register_script(_CREATE)
@@ -391,17 +409,32 @@ class CachedContentStore(_Backed):
         body = json.dumps({"content": content, "token_ids": token_ids, "created": now})
         prefix = self._prefix(tenant)
         limits = [-1 if m is None else m for m in (self.max_per_tenant, self.max_tokens_per_tenant)]
-        reply = await self._do(self._create(
-            keys=[*self._index_keys(tenant), prefix + cc.id],
-            args=[prefix, int(now * 1000), int(cc.expires * 1000), _ms(ttl_s), body, cc.id, len(token_ids),
-                  *limits]))
+        reply = await self._do(
+            self._create(
+                keys=[*self._index_keys(tenant), prefix + cc.id],
+                args=[
+                    prefix,
+                    int(now * 1000),
+                    int(cc.expires * 1000),
+                    _ms(ttl_s),
+                    body,
+                    cc.id,
+                    len(token_ids),
+                    *limits,
+                ],
+            )
+        )
         if reply[0] == 1:
-            raise LimitExceeded(f"this tenant already keeps {reply[1]} cached contents, its limit "
-                                "(limits.max_cached_contents); delete one or let one expire first")
+            raise LimitExceeded(
+                f"this tenant already keeps {reply[1]} cached contents, its limit "
+                "(limits.max_cached_contents); delete one or let one expire first"
+            )
         if reply[0] == 2:
-            raise LimitExceeded(f"this tenant's cached contents hold {reply[1]} tokens; {len(token_ids)} more "
-                                f"would pass its limit of {self.max_tokens_per_tenant} "
-                                "(limits.max_cached_content_tokens)")
+            raise LimitExceeded(
+                f"this tenant's cached contents hold {reply[1]} tokens; {len(token_ids)} more "
+                f"would pass its limit of {self.max_tokens_per_tenant} "
+                "(limits.max_cached_content_tokens)"
+            )
         return cc
 
     async def get(self, tenant: str, cid: str) -> CachedContent | None:
@@ -417,22 +450,27 @@ class CachedContentStore(_Backed):
 
     async def list(self, tenant: str) -> list[CachedContent]:
         """The tenant's live objects, oldest first."""
-        rows = await self._do(self._list(keys=self._index_keys(tenant),
-                                         args=[self._prefix(tenant), int(time.time() * 1000)]))
+        rows = await self._do(
+            self._list(keys=self._index_keys(tenant), args=[self._prefix(tenant), int(time.time() * 1000)])
+        )
         out = [_decode(tenant, cid.decode(), body, pttl) for cid, body, pttl in rows]
         return sorted((c for c in out if c is not None), key=lambda c: c.created)
 
     async def set_ttl(self, tenant: str, cid: str, ttl_s: float) -> CachedContent | None:
         """Give the object a new lifetime from now; None if it does not exist."""
-        reply = await self._do(self._set_ttl(
-            keys=[self._index_keys(tenant)[0], self._prefix(tenant) + cid],
-            args=[cid, _ms(ttl_s), int((time.time() + ttl_s) * 1000)]))
+        reply = await self._do(
+            self._set_ttl(
+                keys=[self._index_keys(tenant)[0], self._prefix(tenant) + cid],
+                args=[cid, _ms(ttl_s), int((time.time() + ttl_s) * 1000)],
+            )
+        )
         return None if reply is None else _decode(tenant, cid, reply[0], reply[1])
 
     async def delete(self, tenant: str, cid: str) -> bool:
         """Whether there was such an object (now gone)."""
-        return bool(await self._do(self._delete(keys=[*self._index_keys(tenant), self._prefix(tenant) + cid],
-                                                args=[cid])))
+        return bool(
+            await self._do(self._delete(keys=[*self._index_keys(tenant), self._prefix(tenant) + cid], args=[cid]))
+        )
 
 
 def _ms(seconds: float) -> int:

@@ -43,7 +43,12 @@ class RouterService:
         supervisor: str | None = None,
     ) -> None:
         self.router = Router(
-            list(leaders), secret, block_size, policy, hash_algo, max_queued_prefill_tokens=max_queued_prefill_tokens,
+            list(leaders),
+            secret,
+            block_size,
+            policy,
+            hash_algo,
+            max_queued_prefill_tokens=max_queued_prefill_tokens,
             tenant_shares=tenant_shares,
         )
         self.leaders = dict(leaders)
@@ -97,8 +102,10 @@ class RouterService:
             return await self._poll_stream()
         groups = list(self.leaders)
         replies = await asyncio.gather(
-            *(asyncio.wait_for(self.leaders[g].read_events.remote(self.offsets[g]), GROUP_CALL_TIMEOUT_S)
-              for g in groups),
+            *(
+                asyncio.wait_for(self.leaders[g].read_events.remote(self.offsets[g]), GROUP_CALL_TIMEOUT_S)
+                for g in groups
+            ),
             return_exceptions=True,
         )
         n = 0
@@ -155,9 +162,15 @@ class RouterService:
         asks every second; that also starts the event poller of a replica Ray has restarted.)"""
         self._ensure_poller()
         held = self.router.index.key_counts()
-        return {g: {"paused": g in self.router.paused, "index_keys": held.get(g, 0),
-                    "queued_prefill_tokens": load.queued_prefill_tokens, "running": load.running}
-                for g, load in self.router.loads.items()}
+        return {
+            g: {
+                "paused": g in self.router.paused,
+                "index_keys": held.get(g, 0),
+                "queued_prefill_tokens": load.queued_prefill_tokens,
+                "running": load.running,
+            }
+            for g, load in self.router.loads.items()
+        }
 
     def index_key_counts(self) -> dict[str, int]:
         """Keys the index holds per group, counted from the index itself (``"?"``: bits of no known group)."""

@@ -37,8 +37,10 @@ def route_latency(
             router.on_finish(d.request_id)
         lat.sort()
         results[label] = {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(0.99 * len(lat))] * 1e3}
-    print(f"route() on a {prompt_tokens}-token prompt, block size {block_size}, index of {len(router.index)} keys, "
-          f"{groups} groups, {calls} calls")
+    print(
+        f"route() on a {prompt_tokens}-token prompt, block size {block_size}, index of {len(router.index)} keys, "
+        f"{groups} groups, {calls} calls"
+    )
     for label, r in results.items():
         print(f"  {label:30s} p50 {r['p50_ms']:.3f} ms   p99 {r['p99_ms']:.3f} ms   (target p99 <= 1 ms)")
     return results

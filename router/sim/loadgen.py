@@ -91,13 +91,16 @@ class Prompt:
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": model, "max_tokens": self.output_len, "temperature": 0.0, "stream": True,
+            "model": model,
+            "max_tokens": self.output_len,
+            "temperature": 0.0,
+            "stream": True,
             "stream_options": {"include_usage": True},
             # Asks for exactly max_tokens where the server supports it (vLLM); others ignore unknown fields.
             "ignore_eos": True,
         }
         if self.fmt == "chat":
-            body["messages"] = [*self.history, {"role": "user", "content": words(self.ids[self.asked:])}]
+            body["messages"] = [*self.history, {"role": "user", "content": words(self.ids[self.asked :])}]
         else:
             body["prompt"] = self.ids if self.fmt == "tokens" else words(self.ids)
         return body
@@ -110,14 +113,18 @@ class Prompt:
         reusable from the cache, the answer is not. Chat sends the exact answer text as the assistant turn.
         """
         if self.fmt == "chat":
-            history = [*self.history, {"role": "user", "content": words(self.ids[self.asked:])},
-                       {"role": "assistant", "content": answer_text}]
+            history = [
+                *self.history,
+                {"role": "user", "content": words(self.ids[self.asked :])},
+                {"role": "assistant", "content": answer_text},
+            ]
             return Prompt(self.ids + user_ids, self.output_len, self.fmt, history, len(self.ids))
         return Prompt(self.ids + answer_ids[:answer_tokens] + user_ids, self.output_len, self.fmt)
 
 
-def random_prompts(src: TokenSource, n: int, input_len: int, prefix_ratio: float, output_len: int, fmt: str,
-                   tag: str = "req") -> list[Prompt]:
+def random_prompts(
+    src: TokenSource, n: int, input_len: int, prefix_ratio: float, output_len: int, fmt: str, tag: str = "req"
+) -> list[Prompt]:
     """``n`` prompts sharing their first ``round(input_len * prefix_ratio)`` tokens."""
     shared = round(input_len * prefix_ratio)
     prefix = src.tokens("prefix", shared)
@@ -166,20 +173,27 @@ def summarise(results: list[Result], duration_s: float) -> dict[str, Any]:
     ttft = [(r.chunk_times[0] - r.start) * 1e3 for r in ok if r.chunk_times]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     e2e = [(r.end - r.start) * 1e3 for r in ok]
-    prompt, cached, output = (sum(getattr(r, f) for r in ok) for f in ("prompt_tokens", "cached_tokens",
-                                                                       "output_tokens"))
+    prompt, cached, output = (
+        sum(getattr(r, f) for r in ok) for f in ("prompt_tokens", "cached_tokens", "output_tokens")
+    )
 
     def pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
         return {f"p{q}": percentile(values, q) for q in qs}
 
     return {
-        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "duration_s": duration_s,
-        "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_share": cached / prompt if prompt else 0.0,
         "output_tokens": output,
         "output_tokens_per_s": output / duration_s if duration_s > 0 else 0.0,
         "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
-        "ttft_ms": pcts(ttft, (50, 90, 99)), "itl_ms": pcts(itl, (50, 99)), "e2e_ms": pcts(e2e, (50, 99)),
+        "ttft_ms": pcts(ttft, (50, 90, 99)),
+        "itl_ms": pcts(itl, (50, 99)),
+        "e2e_ms": pcts(e2e, (50, 99)),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
 
@@ -261,8 +275,15 @@ class Job:
             raise ValueError("a job with follow-up turns needs user_ids and answer_ids")
 
 
-async def run_jobs(base_url: str, api_key: str | None, model: str, jobs: list[Job], concurrency: int | None,
-                   timeout_s: float, progress: Callable[[], None]) -> tuple[list[Result], float]:
+async def run_jobs(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    jobs: list[Job],
+    concurrency: int | None,
+    timeout_s: float,
+    progress: Callable[[], None],
+) -> tuple[list[Result], float]:
     """Send every job (at most ``concurrency`` at once); the results in completion order and the wall time."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -285,8 +306,9 @@ async def run_jobs(base_url: str, api_key: str | None, model: str, jobs: list[Jo
                     if res.error is not None or turn == job.follow_ups:
                         break  # a failed turn ends its conversation: the next prompt would need its answer
                     assert job.user_ids is not None and job.answer_ids is not None  # Job checks: it has follow-ups
-                    prompt = prompt.follow_up(res.text, res.output_tokens, job.user_ids(turn + 1),
-                                              job.answer_ids(turn + 1))
+                    prompt = prompt.follow_up(
+                        res.text, res.output_tokens, job.user_ids(turn + 1), job.answer_ids(turn + 1)
+                    )
             finally:
                 if gate:
                     gate.release()
@@ -331,11 +353,19 @@ def default_vocab(model: str) -> int | None:
 
 def _check(args: Any) -> None:
     """Bad input exits with code 2 before any request; each message names its flag."""
-    positive = [("--input-len", args.input_len), ("--num-requests", args.num_requests), ("--turns", args.turns),
-                ("--conversations", args.conversations), ("--trace-block-size", args.trace_block_size),
-                ("--timeout", args.timeout)]
-    optional_positive = [("--output-len", args.output_len), ("--concurrency", args.concurrency),
-                         ("--max-requests", args.max_requests)]
+    positive = [
+        ("--input-len", args.input_len),
+        ("--num-requests", args.num_requests),
+        ("--turns", args.turns),
+        ("--conversations", args.conversations),
+        ("--trace-block-size", args.trace_block_size),
+        ("--timeout", args.timeout),
+    ]
+    optional_positive = [
+        ("--output-len", args.output_len),
+        ("--concurrency", args.concurrency),
+        ("--max-requests", args.max_requests),
+    ]
     for flag, value in positive + [(f, v) for f, v in optional_positive if v is not None]:
         if value <= 0:
             raise ValueError(f"{flag} must be > 0, not {value}")
@@ -358,15 +388,16 @@ def _check(args: Any) -> None:
 def _jobs(args: Any, src: TokenSource, output_len: int, trace: list[TraceEntry]) -> tuple[list[Job], list[Job]]:
     """The warm-up jobs and the measured jobs of the chosen workload."""
     fmt = args.prompt_format
-    warm = [Job(0.0, p) for p in random_prompts(src, args.warmup, args.input_len, args.prefix_ratio,
-                                                  output_len, fmt, tag="warmup")]
+    warm = [
+        Job(0.0, p)
+        for p in random_prompts(src, args.warmup, args.input_len, args.prefix_ratio, output_len, fmt, tag="warmup")
+    ]
     if args.workload == "random":
         prompts = random_prompts(src, args.num_requests, args.input_len, args.prefix_ratio, output_len, fmt)
         at = poisson_offsets(len(prompts), args.request_rate, args.seed)
         return warm, [Job(t, p) for t, p in zip(at, prompts)]
     if args.workload == "multi-turn":
-        firsts = random_prompts(src, args.conversations, args.input_len, args.prefix_ratio, output_len, fmt,
-                                tag="conv")
+        firsts = random_prompts(src, args.conversations, args.input_len, args.prefix_ratio, output_len, fmt, tag="conv")
         at = poisson_offsets(len(firsts), args.request_rate, args.seed)
 
         def turn_tokens(c: int, role: str, n: int) -> Callable[[int], list[int]]:
@@ -374,14 +405,21 @@ def _jobs(args: Any, src: TokenSource, output_len: int, trace: list[TraceEntry])
             return lambda turn: src.tokens(f"conv/{c}/{role}/{turn}", n)
 
         return warm, [
-            Job(t, p, args.turns - 1, user_ids=turn_tokens(c, "user", args.turn_len),
-                answer_ids=turn_tokens(c, "answer", output_len))
+            Job(
+                t,
+                p,
+                args.turns - 1,
+                user_ids=turn_tokens(c, "user", args.turn_len),
+                answer_ids=turn_tokens(c, "answer", output_len),
+            )
             for c, (t, p) in enumerate(zip(at, firsts))
         ]
     start = trace[0].timestamp_s  # a cut of a longer trace starts where it was cut
     return warm, [
-        Job((e.timestamp_s - start) * args.time_scale,
-            Prompt(src.trace_prompt(e, args.trace_block_size), args.output_len or e.output_length, fmt))
+        Job(
+            (e.timestamp_s - start) * args.time_scale,
+            Prompt(src.trace_prompt(e, args.trace_block_size), args.output_len or e.output_length, fmt),
+        )
         for e in trace
     ]
 
@@ -415,9 +453,17 @@ def run(args: Any) -> int:
     total = sum(j.follow_ups + 1 for j in jobs)
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=None) as bar:
         results, duration = asyncio.run(
-            run_jobs(base_url, args.api_key, model, jobs, concurrency, args.timeout, bar.update))
-    summary = {"workload": args.workload, "base_url": base_url, "model": model, "prompt_format": args.prompt_format,
-               "vocab_size": vocab, "concurrency": concurrency, **summarise(results, duration)}
+            run_jobs(base_url, args.api_key, model, jobs, concurrency, args.timeout, bar.update)
+        )
+    summary = {
+        "workload": args.workload,
+        "base_url": base_url,
+        "model": model,
+        "prompt_format": args.prompt_format,
+        "vocab_size": vocab,
+        "concurrency": concurrency,
+        **summarise(results, duration),
+    }
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     if summary["failed"]:
         print(f"kvgrid: {summary['failed']} of {summary['requests']} requests failed", file=sys.stderr)
@@ -427,38 +473,76 @@ def run(args: Any) -> int:
 
 def add_arguments(p: Any) -> None:
     """The ``kvgrid bench serve`` flags."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                   help="the OpenAI base URL, ending in /v1 (kvgrid: http://HOST:PORT/TENANT/v1)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="the OpenAI base URL, ending in /v1 (kvgrid: http://HOST:PORT/TENANT/v1)",
+    )
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     p.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
     p.add_argument("--workload", default="random", choices=WORKLOADS)
-    p.add_argument("--prompt-format", default="tokens", choices=PROMPT_FORMATS,
-                   help="token ids or text to /v1/completions, or chat messages to /v1/chat/completions")
+    p.add_argument(
+        "--prompt-format",
+        default="tokens",
+        choices=PROMPT_FORMATS,
+        help="token ids or text to /v1/completions, or chat messages to /v1/chat/completions",
+    )
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random; multi-turn: first turn)")
-    p.add_argument("--output-len", type=int, default=None,
-                   help="max tokens per request (default 128; a trace's own lengths unless given)")
-    p.add_argument("--prefix-ratio", type=float, default=0.0,
-                   help="share of --input-len that every prompt has in common (random, multi-turn)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="max tokens per request (default 128; a trace's own lengths unless given)",
+    )
+    p.add_argument(
+        "--prefix-ratio",
+        type=float,
+        default=0.0,
+        help="share of --input-len that every prompt has in common (random, multi-turn)",
+    )
     p.add_argument("--num-requests", type=int, default=64, help="requests (random)")
     p.add_argument("--conversations", type=int, default=8, help="conversations (multi-turn)")
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (multi-turn)")
     p.add_argument("--turn-len", type=int, default=64, help="new user tokens per later turn (multi-turn)")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="most requests (multi-turn: conversations) in flight; default 1, no cap for a "
-                        "--request-rate or a trace")
-    p.add_argument("--request-rate", type=float, default=0.0,
-                   help="Poisson arrivals per second (random, multi-turn); 0: as fast as --concurrency allows")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="most requests (multi-turn: conversations) in flight; default 1, no cap for a --request-rate or a trace",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals per second (random, multi-turn); 0: as fast as --concurrency allows",
+    )
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (--workload trace)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiplies the trace's timestamps (0.1: ten times faster; 0: all at once)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiplies the trace's timestamps (0.1: ten times faster; 0: all at once)",
+    )
     p.add_argument("--max-requests", type=int, default=None, help="replay only the trace's first N requests")
-    p.add_argument("--trace-block-size", type=int, default=MOONCAKE_BLOCK,
-                   help="prompt tokens per hash id (lengths scale with it; default 512 as in the trace)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help=f"token ids are below it (default: from the model folder if found, else {FALLBACK_VOCAB})")
-    p.add_argument("--warmup", type=int, default=0,
-                   help="random prompts (--input-len, --prefix-ratio: they share the prefix) sent first, one at a "
-                        "time, not measured")
+    p.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=MOONCAKE_BLOCK,
+        help="prompt tokens per hash id (lengths scale with it; default 512 as in the trace)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"token ids are below it (default: from the model folder if found, else {FALLBACK_VOCAB})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="random prompts (--input-len, --prefix-ratio: they share the prefix) sent first, one at a "
+        "time, not measured",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompts and arrivals; change it to avoid earlier caches")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -191,15 +191,26 @@ class _Simulation:
     ``(time, order, event, payload)`` (the order number keeps equal times first come, first served)."""
 
     def __init__(
-        self, groups: int, capacity_tokens: int, block_size: int, policy: str, prefill_tokens_per_s: float,
-        decode_s_per_token: float, seed: int,
+        self,
+        groups: int,
+        capacity_tokens: int,
+        block_size: int,
+        policy: str,
+        prefill_tokens_per_s: float,
+        decode_s_per_token: float,
+        seed: int,
     ) -> None:
         transport = InProcessTransport()
         names = [f"g{i}" for i in range(groups)]
         self.now = 0.0
         self.router = Router(
-            names, REPLAY_SECRET, block_size, make_policy(policy, seed=seed),
-            prediction_ttl_s=60.0, events=transport.subscribe(), clock=lambda: self.now,
+            names,
+            REPLAY_SECRET,
+            block_size,
+            make_policy(policy, seed=seed),
+            prediction_ttl_s=60.0,
+            events=transport.subscribe(),
+            clock=lambda: self.now,
         )
         self.groups = {n: SimGroup(n, capacity_tokens // block_size, block_size, transport) for n in names}
         self.prefill_tokens_per_s = prefill_tokens_per_s

@@ -34,15 +34,21 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> list[TraceEntry
                 continue
             try:
                 row = json.loads(line)
-                entry = TraceEntry(float(row["timestamp"]) / 1e3, int(row["input_length"]),
-                                   int(row["output_length"]), tuple(int(h) for h in row["hash_ids"]))
+                entry = TraceEntry(
+                    float(row["timestamp"]) / 1e3,
+                    int(row["input_length"]),
+                    int(row["output_length"]),
+                    tuple(int(h) for h in row["hash_ids"]),
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a trace record ({exc!r})") from None
             # The hash ids stand for the prompt's blocks: it must fit in them and reach into the last one.
             blocks = len(entry.hash_ids)
             if not (blocks - 1) * MOONCAKE_BLOCK < entry.input_length <= blocks * MOONCAKE_BLOCK:
-                raise ValueError(f"{path}:{n}: input_length {entry.input_length} does not match {blocks} hash_ids "
-                                 f"of {MOONCAKE_BLOCK} tokens")
+                raise ValueError(
+                    f"{path}:{n}: input_length {entry.input_length} does not match {blocks} hash_ids "
+                    f"of {MOONCAKE_BLOCK} tokens"
+                )
             if entry.output_length < 1 or entry.timestamp_s < 0:
                 raise ValueError(f"{path}:{n}: output_length must be >= 1 and timestamp >= 0")
             out.append(entry)

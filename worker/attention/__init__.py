@@ -25,6 +25,11 @@ def get_backend(name: str, device: str) -> AttentionBackend:
 
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "ForwardContext", "PagedAttention", "TorchBackend", "get_backend",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ForwardContext",
+    "PagedAttention",
+    "TorchBackend",
+    "get_backend",
     "BACKENDS",
 ]

@@ -107,8 +107,10 @@ class TorchBackend(AttentionBackend):
         query length of ``group``: plain multi-head SDPA, padding masked."""
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows
-        k, v = (self._gather(i, cache.view(num_blocks, -1), d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-                for i, cache in enumerate((k_cache, v_cache)))
+        k, v = (
+            self._gather(i, cache.view(num_blocks, -1), d.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            for i, cache in enumerate((k_cache, v_cache))
+        )
         qg = q.view(n, kv_heads, -1, head_dim)  # query head h uses KV head h // group
         o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=d.keep, scale=scale)
         return o.reshape(n, -1, head_dim)

@@ -20,12 +20,26 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
-    stride_db, stride_ds, stride_dh,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_HEADS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -43,17 +57,37 @@ def _write_kv_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     scale,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -77,7 +111,8 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     if FP32_DOT:
         q = q.to(tl.float32)
@@ -98,11 +133,13 @@ def _paged_attention_kernel(
         page = tl.load(block_tables_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         k = tl.load(
             k_cache_ptr + (page * stride_kb + (n % PAGE) * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
         )
         v = tl.load(
             v_cache_ptr + (page * stride_vb + (n % PAGE) * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
         )
         if FP32_DOT:
             k = k.to(tl.float32)
@@ -127,9 +164,19 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -139,7 +186,8 @@ def _merge_splits_kernel(
     w = tl.exp(lse - tl.max(lse, 0))
     part = tl.load(
         part_ptr + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=d[None, :] < HEAD_DIM, other=0.0,
+        mask=d[None, :] < HEAD_DIM,
+        other=0.0,
     )
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
