@@ -74,14 +74,9 @@ def frontend_actor_options() -> dict:
 def run(
     config_path: str, address: str | None = None, redis_url: str | None = None, stop: threading.Event | None = None
 ) -> int:
-    from ray import serve
-
     from common.hashing import new_secret
     from router.control.supervisor import Supervisor
-    from router.gateway.server import GatewayReplica, check_port_free
-    from router.gateway.store import KeyRing
     from router.routing.service import RouterService
-    from worker.engine import EngineConfig
     from worker.group import GroupConfig, init_local_ray
     from worker.models.demo_model import resolve_model
 
@@ -97,21 +92,7 @@ def run(
         import ray
 
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        engine = EngineConfig(
-            model=model_path,
-            block_size=cfg.block_size,
-            device="cuda" if use_gpu else "cpu",
-            kv_cache_bytes=cfg.kv_cache_bytes,
-            max_model_len=cfg.max_model_len,
-            secret=secret,
-            step_timeout_s=cfg.step_timeout_s,
-            cuda_graphs=cfg.cuda_graphs,
-            decode_threads=None if use_gpu else cfg.decode_threads,
-            pinned_token_limits={
-                t.name: t.cache.max_pinned_tokens for t in cfg.tenants if t.cache.max_pinned_tokens is not None
-            },
-            tenant_shares={t.name: t.cache.share for t in cfg.tenants},
-        )
+        engine = _engine_config(cfg, model_path, secret, use_gpu)
         # Keep these handles until shutdown: an actor lives as long as its creator holds a reference.
         front = frontend_actor_options()
         routers: list[RouterHandle] = [
@@ -152,39 +133,8 @@ def run(
         )
         # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
         ray.get(supervisor.scale.remote(cfg.groups))  # type: ignore[attr-defined]
-        # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
-        # them, its proxy stays off. Replicas get only key hashes, never the keys.
-        check_port_free(cfg.http.host, cfg.http.port)
-        serve.start(proxy_location="Disabled")
-        keys = KeyRing.from_config(cfg)
-        public = cfg.model_copy(
-            update={"admin_keys": [], "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants]}
-        )
-        app = GatewayReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy ignores class decorators
-            name="kvgrid-gateway",
-            num_replicas=cfg.http.replicas,
-            health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
-            ray_actor_options=front,
-        ).bind(public, keys, model_path, routers, url, supervisor if cfg.admin_keys else None)
-        serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
-        base = f"http://{cfg.http.host}:{cfg.http.port}"
-        print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
-        print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
-        for t in cfg.tenants:
-            print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
-        print(
-            f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)"
-            if cfg.admin_keys
-            else "  admin API: off (no admin_keys in the config)"
-        )
-        t0 = cfg.tenants[0]
-        print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
-        print(
-            f'  curl -s {base}/{t0.name}/v1/chat/completions -H "Authorization: Bearer $KVGRID_API_KEY" '
-            "-H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{cfg.model_id}", "messages": [{{"role": "user", "content": "Hello"}}], '
-            '"max_tokens": 16}\''
-        )
+        _start_gateways(cfg, model_path, routers, url, supervisor if cfg.admin_keys else None)
+        _print_banner(cfg, redis_url)
         print("ready", flush=True)
         stop = stop or threading.Event()
         if threading.current_thread() is threading.main_thread():
@@ -196,6 +146,77 @@ def run(
         return 0
     finally:
         _shutdown(supervisor, embedded)
+
+
+def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool):
+    """Every group's engine settings, from the serve config."""
+    from worker.engine import EngineConfig
+
+    return EngineConfig(
+        model=model_path,
+        block_size=cfg.block_size,
+        device="cuda" if use_gpu else "cpu",
+        kv_cache_bytes=cfg.kv_cache_bytes,
+        max_model_len=cfg.max_model_len,
+        secret=secret,
+        step_timeout_s=cfg.step_timeout_s,
+        cuda_graphs=cfg.cuda_graphs,
+        decode_threads=None if use_gpu else cfg.decode_threads,
+        pinned_token_limits={
+            t.name: t.cache.max_pinned_tokens for t in cfg.tenants if t.cache.max_pinned_tokens is not None
+        },
+        tenant_shares={t.name: t.cache.share for t in cfg.tenants},
+    )
+
+
+def _start_gateways(
+    cfg: ServeConfig, model_path: str, routers: list[RouterHandle], url: str, supervisor: SupervisorHandle | None
+) -> None:
+    """The ``kvgrid-gateway`` deployment; with ``supervisor`` (the config has admin keys) each replica also
+    serves the admin API."""
+    from ray import serve
+
+    from router.gateway.server import GatewayReplica, check_port_free
+    from router.gateway.store import KeyRing
+
+    front = frontend_actor_options()
+    # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
+    # them, its proxy stays off. Replicas get only key hashes, never the keys.
+    check_port_free(cfg.http.host, cfg.http.port)
+    serve.start(proxy_location="Disabled")
+    keys = KeyRing.from_config(cfg)
+    public = cfg.model_copy(
+        update={"admin_keys": [], "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants]}
+    )
+    app = GatewayReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy ignores class decorators
+        name="kvgrid-gateway",
+        num_replicas=cfg.http.replicas,
+        health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=front,
+    ).bind(public, keys, model_path, routers, url, supervisor)
+    serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
+
+
+def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:
+    """What ``kvgrid serve`` tells the operator once it serves (never a key or a password)."""
+    base = f"http://{cfg.http.host}:{cfg.http.port}"
+    print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
+    print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
+    for t in cfg.tenants:
+        print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
+    print(
+        f"  admin API: {base}/admin/v1 (kvgrid scale, kvgrid groups)"
+        if cfg.admin_keys
+        else "  admin API: off (no admin_keys in the config)"
+    )
+    t0 = cfg.tenants[0]
+    print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
+    print(
+        f'  curl -s {base}/{t0.name}/v1/chat/completions -H "Authorization: Bearer $KVGRID_API_KEY" '
+        "-H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{cfg.model_id}", "messages": [{{"role": "user", "content": "Hello"}}], '
+        '"max_tokens": 16}\''
+    )
 
 
 def _shutdown(supervisor, embedded) -> None:

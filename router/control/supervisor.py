@@ -15,6 +15,7 @@ starts empty) and drops those that no longer exist.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import re
@@ -33,7 +34,18 @@ from common.sampling import SamplingParams
 from router.routing.service import restarted
 from worker.group import GroupConfig, WorkerGroup
 
-STARTING, SERVING, DRAINING, RESTARTING, FAILED = "starting", "serving", "draining", "restarting", "failed"
+
+class GroupState(enum.StrEnum):
+    """A group's state in the supervisor (the same strings in `kvgrid groups` and the admin API)."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+
+
+STARTING, SERVING, DRAINING, RESTARTING, FAILED = GroupState
 ROUTER_TIMEOUT_S = 30.0
 ROUTER_POLL_TIMEOUT_S = 5.0  # the health check's questions to the router replicas: a restarting one is skipped
 RECOMPUTE_TIMEOUT_S = 300.0  # one output of a pinned entry's recompute on another group
@@ -62,7 +74,7 @@ class Supervisor:
         self.drain_timeout_s = drain_timeout_s
         self.max_groups = max_groups
         self.groups: dict[str, WorkerGroup] = {}
-        self.state: dict[str, str] = {}
+        self.state: dict[str, GroupState] = {}
         self.restarts: dict[str, int] = {}
         self._next = 0
         self._mu = threading.Lock()  # guards the two dicts above; never held across a remote call
