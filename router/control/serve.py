@@ -56,7 +56,7 @@ def _redacted(url: str) -> str:
 SUPERVISOR_NAME = "kvgrid-supervisor"  # a restarted router replica asks it for the groups
 FRONTEND_RESOURCE = "kvgrid_frontend"  # marks the CPU nodes for gateways and the router (cluster.yaml)
 # Serve's controller learns that a gateway replica died only from its next health check (Serve's default period
-# is 10 s): until then it neither starts a replacement nor tells the proxies. A check is one tiny call.
+# is 10 s): until then it starts no replacement. A check is one tiny call.
 GATEWAY_HEALTH_CHECK_PERIOD_S = 1.0
 
 
@@ -76,6 +76,7 @@ def run(
 ) -> int:
     from common.hashing import new_secret
     from router.control.supervisor import Supervisor
+    from router.gateway.server import check_port_free
     from router.routing.service import RouterService
     from worker.group import GroupConfig, init_local_ray
     from worker.models.demo_model import resolve_model
@@ -83,6 +84,7 @@ def run(
     cfg: ServeConfig = load_config(config_path)
     if address and not redis_url:
         raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
+    check_port_free(cfg.http.host, cfg.http.port)  # before any group loads its model (this node only)
     model_path = str(resolve_model(cfg.model))
     secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
     url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
@@ -176,13 +178,12 @@ def _start_gateways(
     serves the admin API."""
     from ray import serve
 
-    from router.gateway.server import GatewayReplica, check_port_free
+    from router.gateway.server import GRACEFUL_SHUTDOWN_S, GatewayReplica
     from router.gateway.store import KeyRing
 
     front = frontend_actor_options()
     # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
     # them, its proxy stays off. Replicas get only key hashes, never the keys.
-    check_port_free(cfg.http.host, cfg.http.port)
     serve.start(proxy_location="Disabled")
     keys = KeyRing.from_config(cfg)
     public = cfg.model_copy(
@@ -192,6 +193,7 @@ def _start_gateways(
         name="kvgrid-gateway",
         num_replicas=cfg.http.replicas,
         health_check_period_s=GATEWAY_HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         ray_actor_options=front,
     ).bind(public, keys, model_path, routers, url, supervisor)
     serve.run(app, name="kvgrid", route_prefix=None, blocking=False)

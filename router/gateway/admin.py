@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
-from common.errors import GroupUnhealthyError, remote_cause
+from common.errors import remote_cause
 from common.protocol import GroupClient, RouterHandle, SupervisorHandle
 from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
@@ -197,7 +197,7 @@ class Admin:
         for group, leader in (await self._ask_router("leaders_now")).items():
             try:
                 stats = await GroupClient(group, leader).astats(CALL_TIMEOUT_S)
-            except (GroupUnhealthyError, TimeoutError):  # gone, or not answering: no gauges for it
+            except Exception:  # gone, not answering, or failing: no gauges for it, the others still show
                 continue
             for gauge, field in self.gauges:
                 gauge.labels(group).set(getattr(stats, field))

@@ -71,6 +71,7 @@ GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gatew
 HEALTH_TIMEOUT_S = 10.0
 ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
 STORE_RETRY_AFTER_S = 2.0
+CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its background Redis writes
 
 routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
 
@@ -388,11 +389,15 @@ class Gateway:
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
 
     async def close(self) -> None:
-        """When the replica stops, on the loop that served it: write the usage still buffered (Redis permitting)."""
+        """When the replica stops, on the loop that served it: let the background writes started by finished
+        requests (cache entries, deletes) end, write the usage still buffered (Redis permitting), close Redis."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=CLOSE_BACKGROUND_S)
         try:
             await self.ledger.close()
         except StoreUnavailable:
             log.warning("usage not yet written to Redis was lost at shutdown")
+        await self.redis.aclose()
 
     # -- admission ---------------------------------------------------------------------------------------------
 

@@ -32,7 +32,9 @@ from router.gateway.store import KeyRing
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0  # open streams get this long to finish when a replica stops
+STOP_TIMEOUT_S = 15.0  # open streams get this long to finish when a replica stops (then the usage is written)
+# Serve kills a stopping replica after its graceful_shutdown_timeout_s: longer, so the usage gets written.
+GRACEFUL_SHUTDOWN_S = STOP_TIMEOUT_S + 10
 
 
 class PortInUse(RuntimeError):
