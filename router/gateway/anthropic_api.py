@@ -90,6 +90,7 @@ class AnthropicApi:
                 break
         claim_write = max(0, pin_tokens - claim_read) if entries else 0
         params = gw.params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None, API, body.top_k)
+        writes: list[asyncio.Task] = []  # the entry writes, awaited before the response ends
 
         def account(out: RequestOutput, predicted: int) -> None:
             usage = self._usage(t, out, claim_write, claim_read)
@@ -97,15 +98,16 @@ class AnthropicApi:
             gw.account(t, out, predicted, r, w, r)
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
-                    gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos]))
+                    writes.append(gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
 
         run = gw.generate(t, prompt, params, API, pin_tokens, pin_ttl, account, not body.stream)
         run = watched(request, run, API)
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await primed(run)
-            return SlotStream(self._stream(t, run, mid, claim_write, claim_read))
+            return SlotStream(self._stream(t, run, mid, claim_write, claim_read, writes))
         out, _ = await last(run)
+        await gw.settle(writes)
         return self._reply(
             mid,
             [TextBlock(text=out.text)],
@@ -184,7 +186,9 @@ class AnthropicApi:
             output_tokens=len(out.token_ids),
         )
 
-    async def _stream(self, t: Tenant, run: Run, mid: str, claim_write: int, claim_read: int) -> AsyncIterator[str]:
+    async def _stream(
+        self, t: Tenant, run: Run, mid: str, claim_write: int, claim_read: int, writes: list[asyncio.Task]
+    ) -> AsyncIterator[str]:
         try:
             first = True
             out = None
@@ -204,6 +208,7 @@ class AnthropicApi:
                         usage=self._usage(t, out, claim_write, claim_read),
                     )
                 )
+                await self.gw.settle(writes)  # the run ended, so its entry writes have started
                 yield anthropic_event(MessageStop())
         except ApiError as exc:
             yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))

@@ -71,6 +71,7 @@ GROUP_SILENCE_S = 60.0  # a request without output for this long makes the gatew
 HEALTH_TIMEOUT_S = 10.0
 ROUTER_RETRY_AFTER_S = 2.0  # no router replica answered: a restarted one resyncs within a few seconds
 STORE_RETRY_AFTER_S = 2.0
+SETTLE_S = 1.0  # a response waits this long for the cache-entry writes of its request
 CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its background Redis writes
 
 routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
@@ -681,11 +682,20 @@ class Gateway:
         )
         t.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run a best-effort Redis write in the background (its failure is logged, never the request's)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
+
+    @staticmethod
+    async def settle(tasks: list[asyncio.Task]) -> None:
+        """Wait (at most ``SETTLE_S``) for the writes a request started, before its response ends: the next
+        request, to any replica, then sees them. A write that fails or is slow (Redis down) is not the
+        request's failure; it was logged and goes on in the background."""
+        if tasks:
+            await asyncio.wait(tasks, timeout=SETTLE_S)
 
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
