@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import NamedTuple, Protocol
 
 
+class Tier(enum.StrEnum):
+    """Where a group holds a block: its GPU (or CPU engine) KV pool, host RAM, or local disk. The tiers are
+    independent: a block may be held in several at once (a block loaded back from host RAM stays there)."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
 class BlockStored(NamedTuple):
-    """Full blocks with these chained keys now hold valid K/V; ``parent_key`` precedes ``keys[0]``."""
+    """Full blocks with these chained keys are now held in ``tier``; ``parent_key`` precedes ``keys[0]``."""
 
     keys: list[bytes]
     parent_key: bytes | None
+    tier: Tier = Tier.GPU
 
 
 class BlockRemoved(NamedTuple):
-    """These keys were evicted: their blocks now hold something else."""
+    """``tier`` no longer holds these keys (evicted: in the GPU pool their blocks now hold something else)."""
 
     keys: list[bytes]
+    tier: Tier = Tier.GPU
 
 
 class AllCleared(NamedTuple):
-    """Every cached block was dropped (cache reset or restart)."""
+    """Every cached block of every tier was dropped (cache reset or restart); a group whose disk tier survived
+    a restart then publishes ``BlockStored(..., tier=DISK)`` of what it still holds."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
