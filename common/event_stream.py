@@ -4,7 +4,8 @@ Each entry carries the publisher's sequence number ``n`` (0, 1, 2, ... from the 
 sees a gap (it started after the stream was trimmed, or fell behind the trim) asks for a snapshot of the
 group's current keys instead of trusting a partial history; a new ``n == 0`` means the group restarted (or its
 publisher rewrote its state after losing events). Entries also carry ``h``, an id of the publisher's current
-history, which readers may ignore.
+history, which readers may ignore. A ``stored`` or ``removed`` entry names its tier in ``l`` (``gpu``, ``host``,
+``disk``); an entry without it (written before tiers existed) is GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from common.events import AllCleared, BlockRemoved, BlockStored, HeldKeys, KVEvent, Tier, snapshot_events
 
 STREAM_PREFIX = "kvgrid:events:"
-_SNAPSHOT_CHUNK = 10_000  # keys per BlockStored entry of a snapshot
+_TIERS = {t.value.encode(): t for t in Tier}
 _log = logging.getLogger(__name__)
 
 
@@ -31,10 +32,11 @@ def stream_name(group: str) -> str:
 def encode(event: KVEvent, n: int) -> dict[str, Any]:
     if isinstance(event, BlockStored):
         width = len(event.keys[0]) if event.keys else 0
-        return {"n": n, "t": "s", "w": width, "k": b"".join(event.keys), "p": event.parent_key or b""}
+        keys, parent = b"".join(event.keys), event.parent_key or b""
+        return {"n": n, "t": "s", "w": width, "k": keys, "p": parent, "l": event.tier.value}
     if isinstance(event, BlockRemoved):
         width = len(event.keys[0]) if event.keys else 0
-        return {"n": n, "t": "r", "w": width, "k": b"".join(event.keys), "p": b""}
+        return {"n": n, "t": "r", "w": width, "k": b"".join(event.keys), "p": b"", "l": event.tier.value}
     if isinstance(event, AllCleared):
         return {"n": n, "t": "c", "w": 0, "k": b"", "p": b""}
     raise TypeError(f"not a KV event: {event!r}")
@@ -44,10 +46,11 @@ def decode(fields: dict[bytes, bytes]) -> tuple[int, KVEvent]:
     n, kind, width = int(fields[b"n"]), fields[b"t"], int(fields[b"w"])
     blob = fields[b"k"]
     keys = [blob[i : i + width] for i in range(0, len(blob), width)] if width else []
-    if kind == b"s":
-        return n, BlockStored(keys, fields[b"p"] or None)
-    if kind == b"r":
-        return n, BlockRemoved(keys)
+    if kind in (b"s", b"r"):
+        tier = _TIERS.get(fields.get(b"l", b"gpu"))
+        if tier is None:
+            raise ValueError(f"unknown KV cache tier {fields[b'l']!r}")
+        return n, BlockStored(keys, fields[b"p"] or None, tier) if kind == b"s" else BlockRemoved(keys, tier)
     if kind == b"c":
         return n, AllCleared()
     raise ValueError(f"unknown KV event type {kind!r}")
@@ -77,8 +80,9 @@ class RedisStreamSink:
     outage whether its last batch landed and whether Redis still holds its history.
 
     If more than ``max_buffer`` events pile up (a long outage), the buffer is dropped. With ``snapshot`` (returns
-    every key the pool holds; the caller makes it safe to call from the writer thread, e.g. by taking the
-    engine's lock) the writer then starts a new history, ``AllCleared`` and ``BlockStored`` of the snapshot,
+    every key the pool holds, or the keys of each tier: ``HeldKeys``; the caller makes it safe to call from the
+    writer thread, e.g. by taking the engine's lock) the writer then starts a new history, ``AllCleared`` and
+    ``BlockStored`` of the snapshot (per tier: ``snapshot_events``),
     followed by the events published since the snapshot began (re-applying those is harmless: events set keys
     present or absent). It does the same when Redis comes back without the history (restarted empty). Without
     ``snapshot`` the dropped events leave a gap in ``n``, which makes readers resynchronise from the group.
@@ -90,7 +94,7 @@ class RedisStreamSink:
         client,
         group: str,
         max_len: int = 1_000_000,
-        snapshot: Callable[[], list[bytes]] | None = None,
+        snapshot: Callable[[], HeldKeys] | None = None,
         max_buffer: int = 100_000,
         batch: int = 256,
         max_backoff_s: float = 2.0,
@@ -227,16 +231,16 @@ class RedisStreamSink:
             self._resync = False
             gen = self._gen
         try:
-            keys = self.snapshot()  # events published from here on stay in the buffer, after the snapshot
+            held = self.snapshot()  # events published from here on stay in the buffer, after the snapshot
         except Exception:
             with self._cond:
                 self._resync = True
             raise
-        chunks = [BlockStored(keys[i : i + _SNAPSHOT_CHUNK], None) for i in range(0, len(keys), _SNAPSHOT_CHUNK)]
+        events = snapshot_events(held)
         with self._cond:
             if self._gen != gen:
                 return  # overflowed again meanwhile: the next snapshot replaces this one
-            self._buf.extendleft(reversed([AllCleared(), *chunks]))
+            self._buf.extendleft(reversed(events))
             self._new_history()
             self._cond.notify_all()
 
@@ -245,7 +249,8 @@ class RedisStreamSubscription:
     """Reads the streams of ``groups`` from the beginning of what Redis holds.
 
     ``resync(group)`` must return events that rebuild the group's state from nothing (``AllCleared`` then a
-    ``BlockStored`` of every key it holds); it is called when the history has a gap. Without it, a gap yields
+    ``BlockStored`` of every key it holds, per tier: ``common.events.snapshot_events``); it is called when the
+    history has a gap. Without it, a gap yields
     ``AllCleared`` and the group lands in ``needs_resync`` for the caller to fetch a snapshot itself."""
 
     def __init__(

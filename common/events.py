@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 
@@ -37,6 +38,21 @@ class AllCleared(NamedTuple):
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
+
+# What a group holds, for a snapshot: every key of its GPU pool, or the keys of each tier.
+HeldKeys = list[bytes] | Mapping[Tier, list[bytes]]
+SNAPSHOT_CHUNK = 10_000  # keys per BlockStored event of a snapshot
+
+
+def snapshot_events(held: HeldKeys) -> list[KVEvent]:
+    """The events that rebuild a reader's view of a group from nothing: ``AllCleared``, then ``BlockStored`` of
+    every key it holds, tier by tier (GPU first), in chunks of ``SNAPSHOT_CHUNK`` keys."""
+    by_tier = {Tier.GPU: held} if isinstance(held, list) else held
+    out: list[KVEvent] = [AllCleared()]
+    for tier in Tier:
+        keys = list(by_tier.get(tier, ()))
+        out.extend(BlockStored(keys[i : i + SNAPSHOT_CHUNK], None, tier) for i in range(0, len(keys), SNAPSHOT_CHUNK))
+    return out
 
 
 class EventSink(Protocol):

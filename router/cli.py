@@ -109,6 +109,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             decode_s_per_token=args.decode_ms / 1e3,
             seed=args.seed,
             progress=not args.json,
+            host_capacity_tokens=args.host_capacity_tokens,
+            disk_capacity_tokens=args.disk_capacity_tokens,
+            host_load_tokens_per_s=args.host_load_rate,
+            disk_load_tokens_per_s=args.disk_load_rate,
         )
         results.append(r)
         if not args.json:
@@ -323,12 +327,25 @@ def _add_bench_route(bsub) -> None:
 
 
 def _add_replay(sub) -> None:
-    from router.routing.policy import POLICIES
+    from router.routing.policy import DEFAULT_DISK_LOAD_TOKENS_PER_S, DEFAULT_HOST_LOAD_TOKENS_PER_S, POLICIES
 
     rp = sub.add_parser("replay", help="replay a request trace through the router and simulated worker groups")
     rp.add_argument("--trace", required=True, help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
     rp.add_argument("--groups", type=int, default=8)
     rp.add_argument("--capacity-tokens", type=int, default=3_000_000, help="KV cache tokens per group")
+    rp.add_argument(
+        "--host-capacity-tokens", type=int, default=0, help="host-RAM tier tokens per group (0: no host tier)"
+    )
+    rp.add_argument("--disk-capacity-tokens", type=int, default=0, help="disk tier tokens per group (0: no disk tier)")
+    rp.add_argument(
+        "--host-load-rate",
+        type=float,
+        default=DEFAULT_HOST_LOAD_TOKENS_PER_S,
+        help="tokens/s a group loads from host RAM into its GPU pool",
+    )
+    rp.add_argument(
+        "--disk-load-rate", type=float, default=DEFAULT_DISK_LOAD_TOKENS_PER_S, help="tokens/s a group loads from disk"
+    )
     rp.add_argument("--block-size", type=int, default=512, help="tokens per hash_ids entry")
     rp.add_argument("--policy", default="kvgrid", choices=[*POLICIES, "all"])
     rp.add_argument("--tenants", type=int, default=1, help="tenant of a request: hash_ids[1] %% T")

@@ -34,7 +34,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed  # noqa: F401  (re-exported)
-from common.events import AllCleared, BlockStored, EventLog, EventSink, KVEvent
+from common.events import EventLog, EventSink, HeldKeys, KVEvent, snapshot_events
 from common.outputs import RequestOutput
 from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
@@ -249,8 +249,9 @@ class RankActor:
                 if self.error is not None:
                     raise GroupUnhealthyError(self.error) from None
 
-    def _keys(self) -> list[bytes]:
-        """Every key the pool holds, read on the engine thread (the event writer's snapshot, from its thread)."""
+    def _keys(self) -> HeldKeys:
+        """Every key the pool holds (per tier, once the cache manager lists them so), read on the engine thread
+        (the event writer's snapshot, from its thread)."""
         assert self.engine is not None
         return self._call_engine(self.engine.kv.cached_keys)
 
@@ -338,12 +339,11 @@ class RankActor:
 
     async def read_events(self, offset: int) -> tuple[list[KVEvent], int]:
         """KV events from ``offset`` on, and the offset to ask for next. A reader that fell too far behind
-        gets a snapshot instead: ``AllCleared`` then every key the pool holds now."""
+        gets a snapshot instead: ``AllCleared`` then every key the pool holds now, tier by tier."""
         assert self.engine is not None
         events, end = self.events.read(offset)
         if events is None:
-            keys = await asyncio.to_thread(self._keys)
-            events = [AllCleared(), BlockStored(keys, None)]
+            events = snapshot_events(await asyncio.to_thread(self._keys))
         return events, end
 
     def health(self) -> str | None:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.routing.index import TierMatch
+
+# Figures behind the default load weights (see ``CacheAwarePolicy``): a group's prefill speed, and how fast it loads
+# cached KV back into its GPU pool from host RAM and from disk, all in tokens per second.
+DEFAULT_PREFILL_TOKENS_PER_S = 16_000.0
+DEFAULT_HOST_LOAD_TOKENS_PER_S = 400_000.0
+DEFAULT_DISK_LOAD_TOKENS_PER_S = 40_000.0
 
 
 @dataclass
@@ -23,7 +31,21 @@ class RouteRequest:
     keys: list[bytes]  # the prompt's full-block keys (tenant-salted)
     num_tokens: int
     block_size: int
-    cached_blocks: dict[str, int]  # leading blocks each group holds (index + predictions)
+    cached_blocks: dict[str, int]  # leading blocks each group holds in any tier (index + predictions)
+    # The same runs split by tier (``TierMatch``: of them, blocks to load from host RAM, from disk); a group
+    # absent here holds its run in its GPU pool.
+    cached_tiers: dict[str, TierMatch] = field(default_factory=dict)
+
+    def tier_tokens(self, group: str) -> tuple[int, int, int]:
+        """(GPU, host, disk) tokens of this prompt ``group`` holds: its cached tokens split by the tier it would
+        take them from."""
+        cached = min(self.cached_blocks.get(group, 0) * self.block_size, self.num_tokens)
+        t = self.cached_tiers.get(group)
+        if t is None or not (t.host or t.disk):
+            return cached, 0, 0
+        lower = min(cached, (t.host + t.disk) * self.block_size)
+        disk = min(lower, t.disk * self.block_size)
+        return cached - lower, lower - disk, disk
 
 
 class RoutingPolicy(ABC):
@@ -46,10 +68,19 @@ def load_key(load: GroupLoad) -> tuple[int, int]:
     return (load.queued_prefill_tokens, load.running)
 
 
+def load_weight(load_tokens_per_s: float, prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> float:
+    """Prefill-token equivalents of loading one cached token: the time a load takes, counted in prefill time."""
+    if load_tokens_per_s <= 0 or prefill_tokens_per_s <= 0:
+        raise ValueError("load and prefill rates must be > 0 tokens/s")
+    return prefill_tokens_per_s / load_tokens_per_s
+
+
 class CacheAwarePolicy(RoutingPolicy):
     """Least estimated cost, in prefill-token equivalents:
 
         recompute_weight x (tokens of this request the group does not hold)
+        + host_load_weight x (tokens it holds in host RAM, not in its GPU pool)
+        + disk_load_weight x (tokens it holds on disk only)
         + the prefill already queued there
         + decode_weight x the requests it is decoding
         + recent_weight x the prefill routed there lately (decayed)
@@ -62,23 +93,39 @@ class CacheAwarePolicy(RoutingPolicy):
     doing less, so total work stays balanced when queues are short. Equal costs go to the less loaded group,
     then at random, so cold traffic never piles onto the first group. The defaults were tuned on the
     Mooncake conversation trace (``kvgrid replay``).
+
+    A block held in a lower tier is a hit that costs a load: the group copies it back into its GPU pool instead
+    of computing it. The load weights are that copy's time in prefill time (``load_weight``: prefill tokens/s
+    over load tokens/s; by default 16k / 400k = 0.04 for host RAM and 16k / 40k = 0.4 for disk). They are not
+    multiplied by ``recompute_weight``: a load occupies the group that does it, it does not duplicate work in
+    the cluster. So at equal load a GPU hit beats a host hit, which beats a disk hit, which beats a miss.
     """
 
     name = "kvgrid"
 
     def __init__(
-        self, decode_weight: float = 32.0, recompute_weight: float = 8.0, recent_weight: float = 0.1, seed: int = 0
+        self,
+        decode_weight: float = 32.0,
+        recompute_weight: float = 8.0,
+        recent_weight: float = 0.1,
+        host_load_weight: float = load_weight(DEFAULT_HOST_LOAD_TOKENS_PER_S),
+        disk_load_weight: float = load_weight(DEFAULT_DISK_LOAD_TOKENS_PER_S),
+        seed: int = 0,
     ) -> None:
         super().__init__(seed)
         self.decode_weight = decode_weight
         self.recompute_weight = recompute_weight
         self.recent_weight = recent_weight
+        self.host_load_weight = host_load_weight
+        self.disk_load_weight = disk_load_weight
 
     def cost(self, req: RouteRequest, group: str, load: GroupLoad) -> float:
-        cached = min(req.cached_blocks.get(group, 0) * req.block_size, req.num_tokens)
-        uncached = req.num_tokens - cached
+        gpu, host, disk = req.tier_tokens(group)
+        uncached = req.num_tokens - gpu - host - disk
         return (
             self.recompute_weight * uncached
+            + self.host_load_weight * host
+            + self.disk_load_weight * disk
             + load.queued_prefill_tokens
             + self.decode_weight * load.running
             + self.recent_weight * load.recent_prefill_tokens

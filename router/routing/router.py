@@ -15,7 +15,7 @@ from typing import Any
 from common.errors import NoGroup, Overloaded
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
-from router.routing.index import PrefixIndex, clear_bit
+from router.routing.index import PrefixIndex, TierMatch, clear_bit
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
 
@@ -24,8 +24,10 @@ from router.routing.transport import Subscription
 class RouteDecision:
     request_id: str
     group: str
-    cached_tokens: int  # prompt tokens the chosen group holds (index + predictions)
+    cached_tokens: int  # prompt tokens the chosen group holds in any tier (index + predictions)
     leader: Any = None  # the group's rank-0 actor, filled in by the router service
+    host_tokens: int = 0  # of cached_tokens, those the group holds in host RAM (not in its GPU pool)
+    disk_tokens: int = 0  # ... on disk only
 
 
 @dataclass
@@ -141,12 +143,16 @@ class Router:
         return block_keys(token_ids, self.block_size, self.root_key(tenant), self.hash_algo)
 
     def match(self, keys: list[bytes]) -> dict[str, int]:
-        """Leading blocks each group holds, counting unexpired predictions."""
+        """Leading blocks each group holds (in any tier), counting unexpired predictions."""
+        return {g: t.blocks for g, t in self.match_tiers(keys).items()}
+
+    def match_tiers(self, keys: list[bytes]) -> dict[str, TierMatch]:
+        """``match`` with each group's run split by tier (predicted blocks count as GPU)."""
         return self._match_chunks([keys])
 
-    def _match_chunks(self, chunks) -> dict[str, int]:
+    def _match_chunks(self, chunks) -> dict[str, TierMatch]:
         self._expire()
-        return self.index.match_chunks(chunks, self._predicted)
+        return self.index.match_tiers(chunks, self._predicted)
 
     def route(
         self, tenant: str, token_ids: Sequence[int], request_id: str | None = None, exclude: Collection[str] = ()
@@ -172,11 +178,12 @@ class Router:
                 if not self.loads
                 else f"no worker group is accepting requests (paused or failed: {sorted(self.loads)})"
             )
-        cached = self._match_chunks(keys)
+        tiers = self._match_chunks(keys)
+        cached = {g: t.blocks for g, t in tiers.items()}
         self._decay_recent()
         if self.policy.needs_all_keys:
             keys.take(None)
-        req = RouteRequest(keys.seen, num_tokens, self.block_size, cached)
+        req = RouteRequest(keys.seen, num_tokens, self.block_size, cached, tiers)
         if self.max_queued_prefill_tokens is not None:
             limit = self.max_queued_prefill_tokens
             with_room = {g: load for g, load in open_groups.items() if load.queued_prefill_tokens < limit}
@@ -190,11 +197,12 @@ class Router:
                         f"tenant has its share ({share}) of them"
                     )
         group = self.policy.choose(req, open_groups)
-        hit = min(cached.get(group, 0) * self.block_size, num_tokens)
+        gpu, host, disk = req.tier_tokens(group)
+        hit = gpu + host + disk
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
         f = self._start(rid, group, num_tokens - hit, tenant)
         f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
-        return RouteDecision(rid, group, hit)
+        return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk)
 
     # -- load bookkeeping -------------------------------------------------------------------------------------
 
