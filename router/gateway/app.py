@@ -1,13 +1,15 @@
-"""The HTTP gateway's ASGI app: every tenant's OpenAI- and Anthropic-compatible APIs, cached content objects and
-Prometheus metrics, under ``/{tenant}/...``, and the admin API under ``/admin``. ``create_app`` binds the routes
-of each API to one replica's ``Gateway``; router/gateway/server.py serves the app from every gateway replica.
+"""The HTTP gateway's ASGI app: every tenant's OpenAI-, Anthropic- and Gemini-compatible APIs, cached content
+objects and Prometheus metrics, under ``/{tenant}/...``, and the admin API under ``/admin``. ``create_app`` binds
+the routes of each API to one replica's ``Gateway``; router/gateway/server.py serves the app from every gateway
+replica.
 
     router/gateway/core.py             the Gateway: auth, body parsing, limits, chat prompts, hedged routing,
                                        group streams and retries, usage; errors (ApiError); docs and metrics
     router/gateway/openai_api.py       /v1/models, /v1/chat/completions, /v1/completions
     router/gateway/anthropic_api.py    /v1/messages (cache_control breakpoints)
     router/gateway/cached_contents.py  /v1/cachedContents
-    router/gateway/protocol.py         the request and response bodies of all three, as pydantic models
+    router/gateway/gemini_api.py       the Gemini API (/v1beta): generateContent, countTokens, cachedContents
+    router/gateway/protocol.py         the request and response bodies of all of them, as pydantic models
 
 One app serves every tenant, so no route lists them, and an unknown tenant gets exactly the 401 of a wrong
 key."""
@@ -17,7 +19,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from router.gateway import anthropic_api, cached_contents, core, openai_api
+from router.gateway import anthropic_api, cached_contents, core, gemini_api, openai_api
 from router.gateway.core import ApiError, Gateway, api_error, store_unavailable
 from router.gateway.store import StoreUnavailable
 
@@ -42,4 +44,5 @@ def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
     openai_api.routes.include(app, openai_api.OpenAIApi(gateway))
     anthropic_api.routes.include(app, anthropic_api.AnthropicApi(gateway))
     cached_contents.routes.include(app, cached_contents.CachedContentsApi(gateway))
+    gemini_api.routes.include(app, gemini_api.GeminiApi(gateway))
     return app

@@ -13,7 +13,7 @@ from common.sampling import SamplingParams
 from router.gateway.core import Gateway, Tenant, err, last, no_account, watched
 from router.gateway.protocol import CachedContentList, CachedContentPatch, CachedContentRequest
 from router.gateway.routes import Routes
-from router.gateway.store import LimitExceeded
+from router.gateway.store import CachedContent, LimitExceeded
 
 API = "openai"  # the format of the errors
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
@@ -22,21 +22,55 @@ LIMIT_RETRY_AFTER_S = 60.0  # a tenant at its number or size of cached contents
 routes = Routes()  # bound to one CachedContentsApi by create_app
 
 
+async def pin_content(gw: Gateway, t: Tenant, tokens: list[int], ttl: float, request: Request, api: str) -> None:
+    """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
+    tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client leaves."""
+    run = gw.generate(t, tokens, SamplingParams(max_tokens=1, temperature=0.0), api, len(tokens), ttl, no_account, True)
+    out, predicted = await last(watched(request, run, api))
+    read = min(out.num_cached_tokens, len(tokens))
+    gw.account(t, out, predicted, read, write=len(tokens) - read, read=read)
+
+
+async def create_content(
+    gw: Gateway, t: Tenant, content: dict, tokens: list[int], ttl: float, request: Request, api: str
+) -> CachedContent:
+    """Store a tenant's new cached content and pin its tokens (both APIs' create): the tenant's limits are checked
+    before any compute is spent, and an object whose pin fails is deleted again."""
+    await gw.admit(t, tokens, 1, api)
+    limit = t.config.cache.max_pinned_tokens
+    if limit is not None and len(tokens) > limit:
+        raise err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", api)
+    store = gw.contents[t.name]
+    try:
+        cc = await store.create(t.name, content, tokens, ttl)
+    except LimitExceeded as exc:
+        raise err(429, str(exc), api, LIMIT_RETRY_AFTER_S) from None
+    try:
+        await pin_content(gw, t, tokens, ttl, request, api)  # computed and pinned now, so the first use is a read
+    except BaseException:
+        gw.spawn(store.delete(t.name, cc.id))
+        raise
+    return cc
+
+
+async def renew_content(gw: Gateway, t: Tenant, cid: str, ttl: float, request: Request, api: str) -> CachedContent:
+    """Give a cached content a new lifetime (both APIs' update): its tokens are pinned for it first (a re-pin
+    costs what computing the content costs), then the object's TTL is set; 404 if it does not exist."""
+    store = gw.contents[t.name]
+    cc = await store.get(t.name, f"cachedContents/{cid}")
+    if cc is None:
+        raise err(404, f"cached content {cid!r} not found", api)
+    await gw.admit(t, cc.token_ids, 1, api)
+    await pin_content(gw, t, cc.token_ids, ttl, request, api)  # pinned for the new lifetime before it is promised
+    renewed = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
+    if renewed is None:  # deleted meanwhile
+        raise err(404, f"cached content {cid!r} not found", api)
+    return renewed
+
+
 class CachedContentsApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-
-    async def _pin(self, t: Tenant, tokens: list[int], ttl: float, request: Request) -> None:
-        """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
-        tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client
-        leaves."""
-        gw = self.gw
-        run = gw.generate(
-            t, tokens, SamplingParams(max_tokens=1, temperature=0.0), API, len(tokens), ttl, no_account, True
-        )
-        out, predicted = await last(watched(request, run, API))
-        read = min(out.num_cached_tokens, len(tokens))
-        gw.account(t, out, predicted, read, write=len(tokens) - read, read=read)
 
     def _ttl(self, t: Tenant, ttl: str | None) -> float:
         return self.gw.ttl(ttl, t.config.cache.default_ttl, MAX_CACHED_CONTENT_TTL_S, "ttl", API)
@@ -56,21 +90,7 @@ class CachedContentsApi:
             raise err(400, "contents: a cached content needs some text", API)
         ttl = self._ttl(t, body.ttl)
         tokens = gw.chat([{"role": "system", "content": text}], API, generation=False).token_ids
-        await gw.admit(t, tokens, 1, API)
-        limit = t.config.cache.max_pinned_tokens
-        if limit is not None and len(tokens) > limit:
-            raise err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", API)
-        store = gw.contents[t.name]
-        try:  # stored first: the tenant's limits refuse it before any compute is spent
-            cc = await store.create(t.name, {"text": text}, tokens, ttl)
-        except LimitExceeded as exc:
-            raise err(429, str(exc), API, LIMIT_RETRY_AFTER_S) from None
-        try:
-            await self._pin(t, tokens, ttl, request)  # computed and pinned now, so the first use is a read
-        except BaseException:
-            gw.spawn(store.delete(t.name, cc.id))
-            raise
-        return cc.public()
+        return (await create_content(gw, t, {"text": text}, tokens, ttl, request, API)).public()
 
     @routes.get("/{tenant}/v1/cachedContents")
     async def list_cached_contents(self, tenant: str, request: Request):
@@ -93,17 +113,7 @@ class CachedContentsApi:
     async def _patch(self, t: Tenant, cid: str, request: Request):
         gw = self.gw
         body: CachedContentPatch = await gw.body(request, CachedContentPatch, API)
-        ttl = self._ttl(t, body.ttl)
-        store = gw.contents[t.name]
-        cc = await store.get(t.name, f"cachedContents/{cid}")
-        if cc is None:
-            raise err(404, f"cached content {cid!r} not found", API)
-        await gw.admit(t, cc.token_ids, 1, API)  # a re-pin costs what computing the content costs
-        await self._pin(t, cc.token_ids, ttl, request)  # pinned for the new lifetime before it is promised
-        cc = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
-        if cc is None:  # deleted meanwhile
-            raise err(404, f"cached content {cid!r} not found", API)
-        return cc.public()
+        return (await renew_content(gw, t, cid, self._ttl(t, body.ttl), request, API)).public()
 
     @routes.delete("/{tenant}/v1/cachedContents/{cid}")
     async def delete_cached_content(self, tenant: str, cid: str, request: Request):

@@ -36,6 +36,8 @@ from router.gateway.protocol import (
     AnthropicError,
     AnthropicErrorDetail,
     BodyError,
+    GeminiError,
+    GeminiErrorDetail,
     OpenAIError,
     OpenAIErrorDetail,
     parse_body,
@@ -86,8 +88,21 @@ class GroupFailed(Exception):
     """The worker group running a request failed (died, lost a rank, or went silent): retried elsewhere."""
 
 
+# The Gemini API's error status names (google.rpc.Code) for the HTTP statuses the gateway answers.
+_GEMINI_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    503: "UNAVAILABLE",
+}
+
+
 class ApiError(Exception):
-    """An error answered in the calling API's own format (``api``: "openai" or "anthropic")."""
+    """An error answered in the calling API's own format (``api``: "openai", "anthropic" or "gemini")."""
 
     def __init__(
         self,
@@ -104,6 +119,9 @@ class ApiError(Exception):
     def body(self) -> BaseModel:
         if self.api == "anthropic":
             return AnthropicError(error=AnthropicErrorDetail(type=self.kind, message=self.message))
+        if self.api == "gemini":
+            status = _GEMINI_STATUS.get(self.status, "INTERNAL" if self.status >= 500 else "FAILED_PRECONDITION")
+            return GeminiError(error=GeminiErrorDetail(code=self.status, message=self.message, status=status))
         return OpenAIError(error=OpenAIErrorDetail(message=self.message, type=self.kind, code=self.status))
 
     def response(self) -> Response:

@@ -294,6 +294,7 @@ class CachedContent:
     token_ids: list[int]
     created: float
     expires: float
+    updated: float = 0.0  # when its lifetime was last changed (its creation, until then)
 
     def public(self) -> CachedContentReply:
         """What the API shows (never the tenant's key material or token ids)."""
@@ -301,12 +302,13 @@ class CachedContent:
             name=self.id,
             contents=self.content,
             usageMetadata=UsageMetadata(totalTokenCount=len(self.token_ids)),
-            createTime=_iso(self.created),
-            expireTime=_iso(self.expires),
+            createTime=rfc3339(self.created),
+            expireTime=rfc3339(self.expires),
         )
 
 
-def _iso(t: float) -> str:
+def rfc3339(t: float) -> str:
+    """``t`` (seconds since the epoch) as the APIs write times: UTC, microseconds, ``Z``."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
@@ -349,7 +351,7 @@ return {0}
 """
 )
 
-# KEYS: index, tokens. ARGV: prefix, now_ms. Returns {id, body, pttl_ms} triples of the live objects.
+# KEYS: index, tokens. ARGV: prefix, now_ms. Returns {id, body, pttl_ms, updated} of the live objects.
 _LIST = (
     _PRUNE
     + """
@@ -357,23 +359,27 @@ local live = prune(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 local out = {}
 for _, cid in ipairs(live) do
   local key = ARGV[1] .. cid
-  out[#out + 1] = {cid, redis.call('GET', key), redis.call('PTTL', key)}
+  out[#out + 1] = {cid, redis.call('GET', key), redis.call('PTTL', key), redis.call('GET', key .. ':updated')}
 end
 return out
 """
 )
 
-# KEYS: index, object. ARGV: id, ttl_ms, expires_ms. Returns {body, pttl_ms}, or nil if there is no object.
+# KEYS: index, object, the object's update time. ARGV: id, ttl_ms, expires_ms, now (seconds). Returns {body,
+# pttl_ms}, or nil if there is no object. The update time is a key of its own (living as long as the object), so a
+# new lifetime never rewrites the body with its token ids.
 _SET_TTL = """
 if redis.call('PEXPIRE', KEYS[2], ARGV[2]) == 0 then return nil end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2])
 return {redis.call('GET', KEYS[2]), redis.call('PTTL', KEYS[2])}
 """
 
-# KEYS: index, tokens, object. ARGV: id. Returns 1 if there was an object.
+# KEYS: index, tokens, object, its update time. ARGV: id. Returns 1 if there was an object.
 _DELETE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[4])
 return redis.call('DEL', KEYS[3])
 """
 
@@ -405,7 +411,7 @@ class CachedContentStore(_Backed):
     async def create(self, tenant: str, content: dict, token_ids: list[int], ttl_s: float) -> CachedContent:
         """Store a new object; LimitExceeded if the tenant's limits do not leave room for it."""
         now = time.time()
-        cc = CachedContent(f"cachedContents/{secrets.token_hex(12)}", tenant, content, token_ids, now, now + ttl_s)
+        cc = CachedContent(f"cachedContents/{secrets.token_hex(12)}", tenant, content, token_ids, now, now + ttl_s, now)
         body = json.dumps({"content": content, "token_ids": token_ids, "created": now})
         prefix = self._prefix(tenant)
         limits = [-1 if m is None else m for m in (self.max_per_tenant, self.max_tokens_per_tenant)]
@@ -443,33 +449,38 @@ class CachedContentStore(_Backed):
 
         async def read():
             async with self.r.pipeline(transaction=True) as pipe:
-                return await pipe.get(key).pttl(key).execute()
+                return await pipe.get(key).pttl(key).get(key + ":updated").execute()
 
-        body, pttl = await self._do(read())
-        return _decode(tenant, cid, body, pttl)
+        body, pttl, updated = await self._do(read())
+        return _decode(tenant, cid, body, pttl, updated)
 
     async def list(self, tenant: str) -> list[CachedContent]:
         """The tenant's live objects, oldest first."""
         rows = await self._do(
             self._list(keys=self._index_keys(tenant), args=[self._prefix(tenant), int(time.time() * 1000)])
         )
-        out = [_decode(tenant, cid.decode(), body, pttl) for cid, body, pttl in rows]
+        out = [_decode(tenant, cid.decode(), body, pttl, updated) for cid, body, pttl, updated in rows]
         return sorted((c for c in out if c is not None), key=lambda c: c.created)
 
     async def set_ttl(self, tenant: str, cid: str, ttl_s: float) -> CachedContent | None:
         """Give the object a new lifetime from now; None if it does not exist."""
+        key, now = self._prefix(tenant) + cid, time.time()
         reply = await self._do(
             self._set_ttl(
-                keys=[self._index_keys(tenant)[0], self._prefix(tenant) + cid],
-                args=[cid, _ms(ttl_s), int((time.time() + ttl_s) * 1000)],
+                keys=[self._index_keys(tenant)[0], key, key + ":updated"],
+                args=[cid, _ms(ttl_s), int((now + ttl_s) * 1000), repr(now)],
             )
         )
-        return None if reply is None else _decode(tenant, cid, reply[0], reply[1])
+        return None if reply is None else _decode(tenant, cid, reply[0], reply[1], repr(now).encode())
 
     async def delete(self, tenant: str, cid: str) -> bool:
         """Whether there was such an object (now gone)."""
         return bool(
-            await self._do(self._delete(keys=[*self._index_keys(tenant), self._prefix(tenant) + cid], args=[cid]))
+            await self._do(
+                self._delete(
+                    keys=[*self._index_keys(tenant), key := self._prefix(tenant) + cid, key + ":updated"], args=[cid]
+                )
+            )
         )
 
 
@@ -477,11 +488,22 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def _decode(tenant: str, cid: str, body: bytes | None, pttl: int | None) -> CachedContent | None:
+def _decode(
+    tenant: str, cid: str, body: bytes | None, pttl: int | None, updated: bytes | None = None
+) -> CachedContent | None:
     if body is None or pttl is None or pttl < 0:
         return None
     data = json.loads(body)
-    return CachedContent(cid, tenant, data["content"], data["token_ids"], data["created"], time.time() + pttl / 1e3)
+    created = data["created"]
+    return CachedContent(
+        cid,
+        tenant,
+        data["content"],
+        data["token_ids"],
+        created,
+        time.time() + pttl / 1e3,
+        created if updated is None else float(updated),
+    )
 
 
 # KEYS: entry. ARGV: ttl_ms. Sets the entry unless it already lives at least that long.
