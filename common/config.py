@@ -83,11 +83,50 @@ class LimitsConfig(_Strict):
     max_cached_content_tokens: int = Field(1_000_000, ge=0)
 
 
+# Price fields: dollars per million tokens (storage: per million token-hours), at most 6 decimals.
+PRICE_FIELDS = ("input", "output", "cache_write_5m", "cache_write_1h", "cache_read", "storage")
+
+
+class PricesConfig(_Strict):
+    """A tenant's price table (router/gateway/economics.py): a vendor ``preset`` and/or any of the fields, which
+    override the preset's. A field left out is the preset's, or 0 without a preset."""
+
+    preset: Literal["openai", "anthropic", "gemini", "deepseek"] | None = None
+    input: float | None = Field(None, ge=0, le=1e6)  # uncached prompt tokens
+    output: float | None = Field(None, ge=0, le=1e6)
+    cache_write_5m: float | None = Field(None, ge=0, le=1e6)  # tokens written to an entry with a TTL <= 5 min
+    cache_write_1h: float | None = Field(None, ge=0, le=1e6)  # ... with a longer TTL
+    cache_read: float | None = Field(None, ge=0, le=1e6)  # prompt tokens served from the cache
+    storage: float | None = Field(None, ge=0, le=1e6)  # per million token-hours of an explicit entry's TTL
+
+    @field_validator(*PRICE_FIELDS)
+    @classmethod
+    def _micro(cls, v: float | None) -> float | None:
+        if v is not None and abs(v * 1e6 - round(v * 1e6)) > 1e-6:
+            raise ValueError("a price has at most 6 decimals (dollars per million tokens)")
+        return v
+
+
+class AdviceConfig(_Strict):
+    """The cache advisor's sample (GET /{tenant}/v1/cache/advice): the ``sample`` most recent prompts of the
+    tenant, kept in Redis under its own key for ``ttl``; 0 = off (the default: prompts are not kept)."""
+
+    sample: int = Field(0, ge=0, le=1000)
+    ttl: float = 3600.0  # seconds the sample lives after its last prompt
+
+    @field_validator("ttl", mode="before")
+    @classmethod
+    def _ttl(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+
 class TenantConfig(_Strict):
     name: str
     api_keys: list[str] = Field(min_length=1)
     cache: CacheConfig = CacheConfig()
     limits: LimitsConfig = LimitsConfig()
+    prices: PricesConfig | None = None  # None: usage is counted but not priced (every cost 0)
+    advice: AdviceConfig = AdviceConfig()
 
     @field_validator("name")
     @classmethod

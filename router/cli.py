@@ -231,6 +231,65 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="run prompts through one engine offline and show prefix-cache reuse")
     g.add_argument("--model", default="demo", help="HF model folder, or 'demo' (built on first use)")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two sharing a long prefix")
+def _cmd_advise(args: argparse.Namespace) -> int:
+    """The cache advisor: a running server's (GET /{tenant}/v1/cache/advice) or, with --file, offline."""
+    from router.gateway import advisor
+
+    if args.file:
+        from common.config import PricesConfig
+        from common.model_config import load_tokenizer
+        from router.gateway.economics import Prices
+        from worker.models.demo_model import resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(args.model))
+        prices = Prices.from_config(PricesConfig(preset=args.prices) if args.prices else None)
+        report = advisor.advise(
+            advisor.load_jsonl(args.file, tokenizer),
+            block_size=args.block_size,
+            prices=prices,
+            explicit=args.explicit,
+            min_prefix_tokens=args.min_prefix_tokens,
+        )
+    else:
+        import httpx
+
+        key = args.key or os.environ.get("KVGRID_API_KEY")
+        if not (args.tenant and key):
+            raise ValueError("pass --file, or --tenant and --key (or KVGRID_API_KEY) to ask a running server")
+        url = f"{args.url.rstrip('/')}/{args.tenant}/v1/cache/advice"
+        try:
+            r = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot reach {url}: {exc}") from None
+        if r.status_code != 200:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text[:200]
+            raise ValueError(f"{r.status_code}: {msg}")
+        report = r.json()
+    print(json.dumps(report, indent=2) if args.json else advisor.format_report(report))
+    return 0
+
+
+def _add_advise(sub) -> None:
+    a = sub.add_parser(
+        "advise", help="cache advice: what breaks a tenant's prompt prefix (a running server, or --file offline)"
+    )
+    a.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    a.add_argument("--tenant", default=None, help="the tenant whose sampled prompts to analyse")
+    a.add_argument("--key", default=None, help="the tenant's API key (default: $KVGRID_API_KEY)")
+    a.add_argument("--timeout", type=float, default=60.0)
+    a.add_argument("--file", default=None, help="offline: a JSONL of prompts (messages, prompt or token_ids)")
+    a.add_argument("--model", default="demo", help="--file: the model whose tokenizer and chat template to use")
+    a.add_argument("--block-size", type=int, default=16, help="--file: the server's block_size")
+    a.add_argument("--prices", default=None, choices=["openai", "anthropic", "gemini", "deepseek"])
+    a.add_argument("--explicit", action="store_true", help="--file: also where cache_control breakpoints pay")
+    a.add_argument("--min-prefix-tokens", type=int, default=1, help="--file: implicit reuse counts from here")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_cmd_advise)
+
+
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -244,6 +303,7 @@ def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve the model to every tenant of a config over HTTP (Ctrl-C stops)")
     s.add_argument("--config", required=True, help="YAML config (see README)")
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
+    _add_advise(sub)
     s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
     s.set_defaults(func=_cmd_serve)
 

@@ -225,10 +225,13 @@ def serving(
 SHARED_INITECH_KEY = "sk-initech-test-01"
 SHARED_BODY = (
     "kv_cache_bytes: 1073741824\n"
+    + f"admin_keys: [{ADMIN_KEY}]\n"
     + TWO_TENANTS
     + f"""  - name: initech
     api_keys: [{SHARED_INITECH_KEY}]
     cache: {{mode: explicit, default_ttl: 5m}}
+    prices: {{preset: anthropic}}   # tests/test_economics.py, test_monitoring.py
+    advice: {{sample: 8}}
 """
 )
 SHARED_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", SHARED_INITECH_KEY)]

@@ -5,7 +5,9 @@
                                                router replica; the supervisor's and each replica's process
     POST /admin/v1/scale   {"groups": N, "remove": ["g1"], "drain_timeout_s": 120}
     POST /admin/v1/match   {"tenant": "acme", "token_ids": [...]}   leading blocks each group holds
-    GET  /admin/v1/metrics                     Prometheus gauges of every worker group (load, blocks)
+    GET  /admin/v1/metrics                     Prometheus gauges of every worker group (load, blocks), and
+                                               every tenant's usage ledger counters (router/gateway/usage_api.py)
+    GET  /admin/v1/usage, /admin/v1/alerts     every tenant's usage and cost; hit-rate drop alerts (usage_api.py)
 
 Group load is operator data: it moves with every tenant's traffic, so no tenant endpoint shows it.
 """
@@ -13,6 +15,7 @@ Group load is operator data: it moves with every tenant's traffic, so no tenant 
 # No "from __future__ import annotations": FastAPI must see real types.
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import FastAPI, Request
@@ -125,6 +128,8 @@ class Admin:
     async def _ask_router(self, method: str, *args):
         """Ask the first router replica that answers (a dead or restarting one is skipped)."""
         last: BaseException | None = None
+        # More series for /v1/metrics, in Prometheus's text format (the tenants' usage ledger: usage_api.py).
+        self.extra_metrics: list[Callable[[], Awaitable[bytes]]] = []
         for router in self.routers:
             try:
                 return await asyncio.wait_for(getattr(router, method).remote(*args), CALL_TIMEOUT_S)
@@ -201,7 +206,8 @@ class Admin:
                 continue
             for gauge, field in self.gauges:
                 gauge.labels(group).set(getattr(stats, field))
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(self.registry) + b"".join([await extra() for extra in self.extra_metrics])
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 def create_admin_app(admin: Admin) -> FastAPI:
@@ -211,3 +217,4 @@ def create_admin_app(admin: Admin) -> FastAPI:
     app.add_exception_handler(_AdminError, _admin_error)  # type: ignore[arg-type]
     routes.include(app, admin)
     return app
+    app.state.admin = admin

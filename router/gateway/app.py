@@ -8,6 +8,7 @@ replica.
     router/gateway/openai_api.py       /v1/models, /v1/chat/completions, /v1/completions
     router/gateway/anthropic_api.py    /v1/messages (cache_control breakpoints)
     router/gateway/cached_contents.py  /v1/cachedContents
+    router/gateway/usage_api.py        /v1/usage, /v1/cache/advice; the admin API's usage, alerts, ledger metrics
     router/gateway/gemini_api.py       the Gemini API (/v1beta): generateContent, countTokens, cachedContents
     router/gateway/protocol.py         the request and response bodies of all of them, as pydantic models
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from router.gateway import anthropic_api, cached_contents, core, gemini_api, openai_api
+from router.gateway import anthropic_api, cached_contents, core, gemini_api, openai_api, usage_api
 from router.gateway.core import ApiError, Gateway, api_error, store_unavailable
 from router.gateway.store import StoreUnavailable
 
@@ -44,5 +45,9 @@ def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
     openai_api.routes.include(app, openai_api.OpenAIApi(gateway))
     anthropic_api.routes.include(app, anthropic_api.AnthropicApi(gateway))
     cached_contents.routes.include(app, cached_contents.CachedContentsApi(gateway))
+    usage = usage_api.UsageApi(gateway)
+    usage_api.routes.include(app, usage)
+    if admin is not None:
+        usage_api.mount_admin(admin, usage)
     gemini_api.routes.include(app, gemini_api.GeminiApi(gateway))
     return app

@@ -15,12 +15,13 @@ import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
 
@@ -31,6 +32,16 @@ from common.outputs import RequestOutput
 from common.protocol import GroupClient, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
+from router.gateway.economics import Prices, RequestCost, dollars, request_cost
+from router.gateway.monitoring import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    WINDOWS,
+    Alert,
+    DropAlarm,
+    RequestTiming,
+)
 from router.gateway.protocol import (
     MAX_BODY_BYTES,
     AnthropicError,
@@ -45,9 +56,11 @@ from router.gateway.protocol import (
 )
 from router.gateway.routes import Routes
 from router.gateway.store import (
+    AlertLog,
     CachedContentStore,
     EntryStore,
     KeyRing,
+    PromptSamples,
     RateLimiter,
     StoreUnavailable,
     UsageLedger,
@@ -77,6 +90,9 @@ SETTLE_S = 1.0  # a response waits this long for the cache-entry writes of its r
 CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its background Redis writes
 
 routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
+# The messages of this request's chat prompt (messages, generation prompt, token ids), which ``admit`` samples for
+# the cache advisor: each request runs in its own task, so its own.
+_CHAT: ContextVar[tuple[list[dict[str, Any]], bool, list[int]] | None] = ContextVar("kvgrid_chat", default=None)
 
 T = TypeVar("T")
 
@@ -184,7 +200,11 @@ def group_failure(exc: Exception, group: str, api: str) -> Exception:
 
 
 class _Metrics:
-    def __init__(self, tenant: str) -> None:
+    """A tenant's Prometheus metrics in this replica (``GET /{tenant}/metrics``): traffic and cache counters, cost
+    at its prices, the cache-read share over recent windows, latency histograms and the hit-rate drop alarm
+    (router/gateway/monitoring.py)."""
+
+    def __init__(self, tenant: str, block_size: int = 16) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["tenant"]
         self.requests = Counter("kvgrid_requests", "Requests served", lbl, registry=r)
@@ -196,12 +216,56 @@ class _Metrics:
             "kvgrid_router_predicted_cached_tokens", "Cached tokens the router expected", lbl, registry=r
         )
         self.actual = Counter("kvgrid_router_actual_cached_tokens", "Cached tokens the group reported", lbl, registry=r)
+        self.writes = Counter("kvgrid_cache_write_tokens", "Prompt tokens written to explicit entries", lbl, registry=r)
+        self.cost = Counter("kvgrid_cost_dollars", "What the traffic cost at the tenant's prices", lbl, registry=r)
+        self.uncached_cost = Counter(
+            "kvgrid_cost_without_cache_dollars", "The same traffic's cost without the cache", lbl, registry=r
+        )
+        self.window_rate = Gauge(
+            "kvgrid_prefix_hit_rate_window", "Cached / prompt tokens over the last window", [*lbl, "window"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvgrid_time_to_first_token_seconds", "Time to first token", lbl, registry=r, buckets=TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            "kvgrid_inter_token_latency_seconds", "Time between output tokens", lbl, registry=r, buckets=ITL_BUCKETS
+        )
+        self.e2e = Histogram(
+            "kvgrid_e2e_request_latency_seconds", "End-to-end request latency", lbl, registry=r, buckets=E2E_BUCKETS
+        )
+        self.alerts = Counter("kvgrid_hit_rate_drop_alerts", "Hit-rate drop alerts", lbl, registry=r)
+        self.alert_active = Gauge("kvgrid_hit_rate_drop_active", "1 during a hit-rate drop", lbl, registry=r)
+        self.alert_block = Gauge(
+            "kvgrid_hit_rate_drop_block", "The block where prompts stopped matching (last alert)", lbl, registry=r
+        )
         self.tenant = tenant
+        self.alarm = DropAlarm(tenant, block_size)
         self._prompt_total = self._cached_total = 0
+        for m in (self.requests, self.prompt, self.cached, self.output, self.hit_rate, self.predicted, self.actual):
+            m.labels(tenant)  # every series shows from the start, at 0
+        for c in (self.writes, self.cost, self.uncached_cost, self.alerts):
+            c.labels(tenant)
+        for h in (self.ttft, self.itl, self.e2e):
+            h.labels(tenant)
+        self.alert_active.labels(tenant)
+        self.alert_block.labels(tenant)
+        for w in WINDOWS:
+            self.window_rate.labels(tenant, w)
 
-    def record(self, prompt: int, cached: int, output: int, predicted: int, actual: int) -> None:
+    def record(
+        self,
+        prompt: int,
+        cached: int,
+        output: int,
+        predicted: int,
+        actual: int,
+        prompt_ids: list[int] | None = None,
+        cost: RequestCost | None = None,
+        write: int = 0,
+        now: float | None = None,
+    ) -> Alert | None:
         """``cached``: the reuse reported to the client (the tenant's policy); ``actual``: what the group reused,
-        against which the router's ``predicted`` is judged."""
+        against which the router's ``predicted`` is judged. The alarm's alert when this request starts a drop."""
         t = self.tenant
         self.requests.labels(t).inc()
         self.prompt.labels(t).inc(prompt)
@@ -209,18 +273,43 @@ class _Metrics:
         self.output.labels(t).inc(output)
         self.predicted.labels(t).inc(predicted)
         self.actual.labels(t).inc(actual)
+        self.writes.labels(t).inc(write)
+        if cost is not None:
+            self.cost.labels(t).inc(dollars(cost.cost))
+            self.uncached_cost.labels(t).inc(dollars(cost.uncached_cost))
         self._prompt_total += prompt
         self._cached_total += cached
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
+        now = time.time() if now is None else now
+        alert = self.alarm.observe(prompt_ids if prompt_ids is not None else [0] * prompt, cached, now)
+        for w, seconds in WINDOWS.items():
+            self.window_rate.labels(t, w).set(self.alarm.windows.share(now, seconds))
+        self.alert_active.labels(t).set(0 if self.alarm.active is None else 1)
+        if alert is not None:
+            self.alerts.labels(t).inc()
+            self.alert_block.labels(t).set(alert.block)
+        return alert
+
+    def observe(self, timing: RequestTiming) -> None:
+        """A finished request's latencies."""
+        t = self.tenant
+        if timing.ttft is not None:
+            self.ttft.labels(t).observe(timing.ttft)
+        itl = self.itl.labels(t)
+        for gap in timing.gaps:
+            itl.observe(gap)
+        if timing.e2e is not None:
+            self.e2e.labels(t).observe(timing.e2e)
 
 
 class Tenant:
     """One tenant's state in this replica: its config, rate limiter, metrics and in-flight count."""
 
-    def __init__(self, config: TenantConfig, limiter: RateLimiter) -> None:
+    def __init__(self, config: TenantConfig, limiter: RateLimiter, block_size: int = 16) -> None:
         self.name, self.config = config.name, config
         self.limiter = limiter
-        self.metrics = _Metrics(config.name)
+        self.metrics = _Metrics(config.name, block_size)
+        self.prices = Prices.from_config(config.prices)
         self.inflight = 0
 
 
@@ -395,13 +484,17 @@ class Gateway:
         self._hedges = HedgeBudget()
         self.redis = connect(redis_url, config.redis_timeout_s)
         self.ledger = UsageLedger(self.redis)
+        self.alerts = AlertLog(self.redis)
+        self.samples = PromptSamples(self.redis)
         self.entries = EntryStore(self.redis)
         self.contents = {
             t.name: CachedContentStore(self.redis, t.limits.max_cached_contents, t.limits.max_cached_content_tokens)
             for t in config.tenants
         }
         self.tenants = {
-            t.name: Tenant(t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min))
+            t.name: Tenant(
+                t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min), config.block_size
+            )
             for t in config.tenants
         }
         self._background: set[asyncio.Task] = set()
@@ -489,6 +582,22 @@ class Gateway:
         retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+        self.sample(t, prompt)
+
+    def sample(self, t: Tenant, prompt: list[int]) -> None:
+        """Keep an admitted prompt in the tenant's advisor sample (``advice: {sample: N}``; off by default): the
+        messages ``chat`` rendered it from in this request, else its token ids. Best effort, in the background."""
+        keep = t.config.advice.sample
+        chat = _CHAT.get()
+        _CHAT.set(None)
+        if not keep:
+            return
+        row: dict[str, Any] = {"t": time.time()}
+        if chat is not None and len(chat[2]) <= len(prompt) and prompt[len(prompt) - len(chat[2]) :] == chat[2]:
+            row.update(messages=chat[0], gen=chat[1], prefix=len(prompt) - len(chat[2]))
+        else:
+            row["token_ids"] = prompt
+        self.spawn(self.samples.add(t.name, row, keep, t.config.advice.ttl))
 
     # -- prompts and parameters --------------------------------------------------------------------------------
 
@@ -499,9 +608,11 @@ class Gateway:
         """The chat template applied to ``messages`` (every API's one way to a chat prompt); their texts never
         become special tokens (router/gateway/chat.py)."""
         try:
-            return encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
+            prompt = encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
         except ChatTemplateError as exc:
             raise err(400, f"messages: {exc}", api) from None
+        _CHAT.set((messages, generation, prompt.token_ids))  # for the advisor's sample (``sample``)
+        return prompt
 
     async def cached_prefix(self, t: Tenant, cid: str | None, api: str) -> tuple[list[int], float]:
         """Token ids and remaining TTL of a referenced cached content object."""
@@ -646,6 +757,7 @@ class Gateway:
         engine failed alone answers 500; its group keeps serving."""
         failed: list[str] = []
         rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
+        timing = RequestTiming(time.monotonic())  # latencies as the client sees them, retries included
         while True:
             attempt = f"{rid}-{len(failed)}"
             router: RouterHandle | None = None
@@ -660,6 +772,7 @@ class Gateway:
                         router.on_prefill_done.remote(attempt)
                     finished = out.finished
                     yielded = True
+                    timing.tick(time.monotonic(), len(out.new_token_ids))
                     yield out, decision.cached_tokens
                     if finished:
                         break
@@ -677,6 +790,9 @@ class Gateway:
                     router.on_finish.remote(attempt)  # also when the client left during routing
                 if out is not None and decision is not None:  # an output came from the routed group
                     account(out, decision.cached_tokens)
+                if finished and account is not no_account:  # internal requests are not the tenant's latency
+                    timing.finish(time.monotonic())
+                    t.metrics.observe(timing)
 
     # -- accounting --------------------------------------------------------------------------------------------
 
@@ -686,19 +802,38 @@ class Gateway:
         return num_cached if c.mode == "explicit" or num_cached >= c.min_prefix_tokens else 0
 
     def account(
-        self, t: Tenant, out: RequestOutput, predicted: int, cached: int, write: int = 0, read: int = 0
+        self,
+        t: Tenant,
+        out: RequestOutput,
+        predicted: int,
+        cached: int,
+        write: int = 0,
+        read: int = 0,
+        write_ttl_s: float | None = None,
     ) -> None:
-        n_prompt = len(out.prompt_token_ids)
+        """Record a request's usage and cost (at the tenant's prices; ``cached`` tokens are billed as cache reads,
+        ``write`` ones as written to an entry living ``write_ttl_s``, default the tenant's ``default_ttl``) in the
+        ledger and the tenant's metrics; a hit-rate drop this request reveals is logged and kept for the admin
+        API."""
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        ttl = t.config.cache.default_ttl if write_ttl_s is None else write_ttl_s
+        cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl)
         self.ledger.record(
             t.name,
             requests=1,
             prompt_tokens=n_prompt,
             cached_tokens=cached,
-            output_tokens=len(out.token_ids),
+            output_tokens=n_out,
             cache_write_tokens=write,
             cache_read_tokens=read,
+            **cost.ledger_fields(),
         )
-        t.metrics.record(n_prompt, cached, len(out.token_ids), predicted, out.num_cached_tokens)
+        alert = t.metrics.record(
+            n_prompt, cached, n_out, predicted, out.num_cached_tokens, out.prompt_token_ids, cost, write
+        )
+        if alert is not None:
+            log.warning("%s", alert.message())
+            self.spawn(self.alerts.push(alert.public()))
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run a best-effort Redis write in the background (its failure is logged, never the request's)."""

@@ -41,7 +41,17 @@ USAGE_FIELDS = (
     "output_tokens",
     "cache_write_tokens",
     "cache_read_tokens",
+    # Writes by the TTL they were priced at, and the token-seconds of storage those writes were billed for.
+    "cache_write_5m_tokens",
+    "cache_write_1h_tokens",
+    "storage_token_seconds",
+    # Money in pico-dollars (router/gateway/economics.py): what the traffic cost, and would have without the cache.
+    # In Redis each of these carries whole dollars into a field of its own (``cost_usd``...), so no counter
+    # overflows; every reader gets the sum back in pico-dollars.
+    "cost_pusd",
+    "uncached_cost_pusd",
 )
+_PICO = 10**12
 
 
 class StoreUnavailable(Exception):
@@ -156,7 +166,13 @@ local done = tonumber(redis.call('GET', KEYS[1]) or '0')
 local seq = tonumber(ARGV[1])
 if done >= seq then return 0 end
 for i = 2, #KEYS do
-  redis.call('HINCRBY', KEYS[i], ARGV[2 * i - 2], ARGV[2 * i - 1])
+  local field = ARGV[2 * i - 2]
+  local v = redis.call('HINCRBY', KEYS[i], field, ARGV[2 * i - 1])
+  if string.sub(field, -5) == '_pusd' and v >= 1e12 then  -- carry whole dollars: the field stays small
+    local carry = math.floor(v / 1e12)
+    redis.call('HINCRBY', KEYS[i], string.sub(field, 1, -6) .. '_usd', string.format('%.0f', carry))
+    redis.call('HINCRBY', KEYS[i], field, string.format('%.0f', -carry * 1e12))
+  end
 end
 redis.call('SET', KEYS[1], seq, 'EX', 86400)
 return 1
@@ -260,7 +276,7 @@ class UsageLedger:
 
         raw, done = await _bounded(self.deadline_s, read())
         done = int(done or 0)
-        out = {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
+        out = _usage_of(raw)
         buffered = [(pending_seq, pending)]
         if sending is not None:
             buffered.append((sending[0], sending[1].get(tenant, {})))
@@ -282,8 +298,60 @@ class UsageLedger:
 def read_usage(client: redis.Redis, tenant: str) -> dict[str, int]:
     """``tenant``'s counters as Redis holds them, with a synchronous client (tools and tests; a gateway's
     ledger may still buffer a fraction of a second of usage)."""
-    raw = client.hgetall(f"kvgrid:usage:{tenant}")
-    return {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
+    return _usage_of(client.hgetall(f"kvgrid:usage:{tenant}"))
+
+
+def _usage_of(raw: Mapping) -> dict[str, int]:
+    """The counters of a Redis usage hash; money in pico-dollars (the carried whole dollars added back)."""
+    out = {f: int(raw.get(f.encode(), 0)) for f in USAGE_FIELDS}
+    for f in USAGE_FIELDS:
+        if f.endswith("_pusd"):
+            out[f] += int(raw.get(f.removesuffix("_pusd").encode() + b"_usd", 0)) * _PICO
+    return out
+
+
+class AlertLog(_Backed):
+    """The hit-rate drop alerts of every gateway replica (``kvgrid:alerts``, newest first, the last ``keep``), for
+    the admin API. An alert names a tenant and a block position, never prompt content."""
+
+    KEY = "kvgrid:alerts"
+
+    def __init__(self, client: redis.asyncio.Redis, keep: int = 200) -> None:
+        super().__init__(client)
+        self.keep = keep
+
+    async def push(self, alert: dict) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.lpush(self.KEY, json.dumps(alert))
+            pipe.ltrim(self.KEY, 0, self.keep - 1)
+            await self._do(pipe.execute())
+
+    async def recent(self, tenant: str | None = None, limit: int = 100) -> list[dict]:
+        rows = [json.loads(r) for r in await self._do(self.r.lrange(self.KEY, 0, self.keep - 1))]
+        return [a for a in rows if tenant is None or a.get("tenant") == tenant][:limit]
+
+
+class PromptSamples(_Backed):
+    """A tenant's opt-in sample of its recent prompts for the cache advisor (``advice: {sample: N}``): a Redis list
+    under the tenant's own key (``kvgrid:advice:{tenant}``), the newest ``keep`` entries, expiring ``ttl_s`` after
+    the last one. Only the tenant's own key reads it (GET /{tenant}/v1/cache/advice)."""
+
+    @staticmethod
+    def key(tenant: str) -> str:
+        return f"kvgrid:advice:{tenant}"
+
+    async def add(self, tenant: str, sample: dict, keep: int, ttl_s: float) -> None:
+        key = self.key(tenant)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.lpush(key, json.dumps(sample, separators=(",", ":")))
+            pipe.ltrim(key, 0, keep - 1)
+            pipe.pexpire(key, _ms(ttl_s))
+            await self._do(pipe.execute())
+
+    async def recent(self, tenant: str) -> list[dict]:
+        """The tenant's sampled prompts, oldest first."""
+        rows = await self._do(self.r.lrange(self.key(tenant), 0, -1))
+        return [json.loads(r) for r in reversed(rows)]
 
 
 @dataclass
