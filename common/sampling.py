@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Limits that keep one request's cost per step bounded (stop strings are searched after every token).
 MAX_STOP_STRINGS = 16
@@ -11,6 +13,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 _INT32_MAX = 2**31 - 1
+MAX_GRAMMAR_CHARS = 2**20
+STRUCTURED_KINDS = ("json_object", "json_schema", "grammar")
+# How constrained JSON is written: no free whitespace (a sampled model could otherwise emit it without end), and the
+# separators of ``json.dumps``, which chat templates use for tool calls too.
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _is_int(v) -> bool:
@@ -19,6 +26,52 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced token by token (worker/structured.py, with llguidance).
+
+    ``kind``: ``"json_object"`` (any JSON object; ``spec`` unused), ``"json_schema"`` (``spec``: the JSON schema,
+    as JSON text) or ``"grammar"`` (``spec``: an llguidance Lark grammar, which may embed JSON schemas with
+    ``%json {...}``: how a forced tool call is generated). The output ends (``stop``) as soon as the grammar is
+    complete. ``check()`` raises ``ValueError`` naming the field for a kind, a spec or a grammar that does not
+    compile."""
+
+    kind: str
+    spec: str = ""
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON form) of this constraint."""
+        from llguidance import LLMatcher  # here, so that importing the sampling vocabulary stays light
+
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(self.spec)
+        schema: Any = {"type": "object"} if self.kind == "json_object" else json.loads(self.spec)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)  # type: ignore[arg-type]
+
+    def check(self, field: str = "structured_output.spec") -> None:
+        """Raise ``ValueError`` unless this constraint compiles; a problem of the spec is reported under ``field``
+        (a gateway names its own request field, e.g. ``response_format.json_schema.schema``)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output.kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{field} must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError:
+                raise ValueError(f"{field}: the JSON schema is not valid JSON") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"{field}: a JSON schema must be an object or a boolean")
+        from llguidance import LLMatcher
+
+        try:
+            problem = LLMatcher.validate_grammar(self.grammar())
+        except (ValueError, TypeError) as exc:
+            problem = str(exc) or type(exc).__name__
+        if problem:
+            raise ValueError(f"{field}: {problem.strip().splitlines()[0]}")
 
 
 @dataclass
@@ -32,8 +85,9 @@ class SamplingParams:
     ``stop_token_ids`` (at most 64) and, unless ``ignore_eos``, the model's EOS end it too (the token stays in
     ``token_ids``, as in transformers' ``generate``). ``logprobs``: ``None`` for none, ``0`` for the chosen
     tokens' log-probabilities, ``n`` in 1..20 to also return the ``n`` most likely alternatives.
-    Log-probabilities are those of the model's distribution before temperature and filtering. Anything else
-    raises ``ValueError`` naming the field.
+    Log-probabilities are those of the model's distribution before temperature and filtering (and before a
+    ``structured_output`` mask). ``structured_output``: a ``StructuredOutput`` the output must match (JSON, a
+    JSON schema, a grammar). Anything else raises ``ValueError`` naming the field.
     """
 
     max_tokens: int = 16
@@ -45,6 +99,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +136,10 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput or None")
+            self.structured_output.check()
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
 
     @property

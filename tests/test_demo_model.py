@@ -188,7 +188,7 @@ def test_greedy_logits_are_peaky(folders: dict[str, Path], models: dict[str, tor
 def test_resolve_model_builds_once_and_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGRID_CACHE", str(tmp_path))
     path = resolve_model("demo")
-    assert path == tmp_path / "demo-llama-v1" and (path / "config.json").is_file()
+    assert path == tmp_path / "demo-llama-v2" and (path / "config.json").is_file()
     assert resolve_model("demo:llama") == path
     stamp = (path / "model.safetensors").stat().st_mtime_ns
 
@@ -198,12 +198,12 @@ def test_resolve_model_builds_once_and_reuses(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(demo_model, "write_demo_model", fail)
     assert resolve_model("demo") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-llama-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-llama-v2"]
 
 
 def test_resolve_model_tolerates_losing_the_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGRID_CACHE", str(tmp_path))
-    target = tmp_path / "demo-qwen2-v1"
+    target = tmp_path / "demo-qwen2-v2"
 
     def racing_write(out_dir: Path, variant: str = "llama", seed: int = 0) -> Path:
         write_demo_model(target, variant, seed)  # another process finishes first...
@@ -212,7 +212,7 @@ def test_resolve_model_tolerates_losing_the_race(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(demo_model, "write_demo_model", racing_write)
     assert resolve_model("demo:qwen2") == target
     assert _read(target, "config.json")["model_type"] == "qwen2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-qwen2-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-qwen2-v2"]
 
 
 def test_resolve_model_paths_and_bad_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

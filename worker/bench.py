@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import Any
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 from worker.engine import Engine, EngineConfig
 
 
@@ -19,10 +19,17 @@ def _ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, out.num_cached_tokens
 
 
-def _decode_rate(engine: Engine, batch: int, prompt_len: int, steps: int, rng: random.Random) -> float:
+def _decode_rate(
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    rng: random.Random,
+    params: SamplingParams | None = None,
+) -> float:
     """Output tokens per second over steps in which every sequence of the batch decodes."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
@@ -86,6 +93,65 @@ def run(
         print(f"  TTFT(hit) / TTFT(cold):                  {result['ttft_ratio']:8.3f}  (target <= 0.10)")
         for b, rate in result["decode_tokens_per_s"].items():
             print(f"  decode, batch {b:3d}:                      {rate:8.1f} tokens/s")
+    return result
+
+
+# What ``--grammar`` decodes under: records of typed fields (bounded strings and integers, booleans, an enum) in an
+# array too long to finish within the benchmark, so every sequence decodes under the grammar at every step.
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+            "name": {"type": "string", "maxLength": 12},
+            "active": {"type": "boolean"},
+            "kind": {"enum": ["user", "group", "service"]},
+        },
+        "required": ["id", "name", "active", "kind"],
+        "additionalProperties": False,
+    },
+}
+
+
+def run_grammar(
+    model: str = "demo",
+    batches: tuple[int, ...] = (8,),
+    decode_steps: int = 64,
+    repeats: int = 5,
+    device: str = "auto",
+    as_json: bool = False,
+    cuda_graphs: bool = True,
+) -> dict:
+    """Decode tokens/s at each batch size without and with a JSON-schema constraint (``BENCH_SCHEMA``) on every
+    sequence, sampled at temperature 1 either way; the median of ``repeats`` paired runs, and the share of the
+    throughput the grammar costs (target: under 20% at batch 8)."""
+    engine = Engine(EngineConfig(model=model, device=device, cuda_graphs=cuda_graphs))
+    so = StructuredOutput("json_schema", json.dumps(BENCH_SCHEMA))
+    rng = random.Random(0)
+    plain = SamplingParams(max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True)
+    constrained = SamplingParams(
+        max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True, structured_output=so
+    )
+    _decode_rate(engine, max(batches), 128, 8, rng, constrained)  # warm-up: compiles the grammar, the tokenizer
+    result: dict[str, Any] = {"device": str(engine.device), "decode_tokens_per_s": {}}
+    for b in batches:
+        free, masked = [], []
+        for _ in range(repeats):  # interleaved, so drifting machine load hits both alike
+            free.append(_decode_rate(engine, b, 128, decode_steps, rng, plain))
+            masked.append(_decode_rate(engine, b, 128, decode_steps, rng, constrained))
+        f, m = statistics.median(free), statistics.median(masked)
+        result["decode_tokens_per_s"][b] = {"without_grammar": f, "with_grammar": m, "cost": 1.0 - m / f}
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"grammar benchmark on {result['device']} ({model}, JSON schema on every sequence, median of {repeats})")
+        for b, r in result["decode_tokens_per_s"].items():
+            print(
+                f"  decode, batch {b:3d}: {r['without_grammar']:8.1f} tokens/s without grammar, "
+                f"{r['with_grammar']:8.1f} with: costs {r['cost'] * 100:5.1f}%  (target < 20% at batch 8)"
+            )
     return result
 
 

@@ -32,6 +32,7 @@ from worker.output_processor import OutputProcessor
 from worker.sampler import Sampler, SampleResult
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
+from worker.structured import Grammars
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_ERROR_CHARS = 500
@@ -141,7 +142,7 @@ class Engine:
             self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares
         )
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, Grammars(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
         secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
         self.root_key = RootKeys(secret, config.hash_algo)  # tenant -> its root key (never sent to a client)
@@ -258,6 +259,8 @@ class Engine:
     def _advance(self, seq: Sequence, res: SampleResult, now: float) -> RequestOutput:
         try:
             reason = self.outputs.append(seq, res, now)
+            if res.done:  # the structured output is complete: nothing but EOS could follow
+                reason = FinishReason.STOP
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             return self.outputs.output(seq)

@@ -3,51 +3,102 @@
 Sampling never raises for parameters ``SamplingParams`` accepts, whatever the logits hold (tiny ``top_p``,
 extreme temperatures, ``inf`` or ``NaN`` logits). If something still fails for one row, that row's result is
 the exception and the other rows are sampled as usual: the engine fails that request alone.
+
+Rows of requests with a structured output are masked first (worker/structured.py: one batched mask for all of
+them, on the logits' device); log-probabilities are taken before the mask, from the model's own distribution.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from worker.sequence import Sequence
+from worker.structured import Grammars, advance
 
 
 class SampleResult:
-    __slots__ = ("token_id", "logprob", "top")
+    """A sampled token, its log-probability and top alternatives when asked, and ``done``: the request's
+    structured output is complete with this token (the request ends with ``stop``)."""
 
-    def __init__(self, token_id: int, logprob: float | None, top: dict[int, float] | None) -> None:
-        self.token_id, self.logprob, self.top = token_id, logprob, top
+    __slots__ = ("token_id", "logprob", "top", "done")
+
+    def __init__(self, token_id: int, logprob: float | None, top: dict[int, float] | None, done: bool = False) -> None:
+        self.token_id, self.logprob, self.top, self.done = token_id, logprob, top, done
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, grammars: Grammars | None = None) -> None:
         # Unseeded requests draw from one engine-wide stream, so a whole run is reproducible from its seed.
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammars = grammars  # None: structured outputs are refused (an engine without a tokenizer)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult | Exception]:
         """One result per row of ``logits``: the sample, or the exception that sampling that row raised."""
+        logits = raw = logits.float()  # once for the batch (a no-op for float32): rows are masked in place
+        failed: dict[int, Exception] = {}
+        if any(s.params.structured_output is not None for s in seqs):
+            if any(s.params.logprobs is not None for s in seqs):
+                raw = logits.clone()  # log-probabilities come from the model's distribution, not the masked one
+            failed = self._mask(logits, seqs)
         try:
-            batch = self._prepare(logits, seqs)  # one device round trip for the whole batch
+            batch = self._prepare(logits, raw, seqs)  # one device round trip for the whole batch
         except Exception:
             batch = None  # decide row by row below: only the rows that fail on their own fail
         out: list[SampleResult | Exception] = []
         for i, seq in enumerate(seqs):
+            if i in failed:
+                out.append(failed[i])
+                continue
             try:
                 if batch is not None:
                     greedy, logp = batch[0][i], None if batch[1] is None else batch[1][i]
                 else:
-                    (greedy,), lp_rows = self._prepare(logits[i : i + 1], [seq])
+                    (greedy,), lp_rows = self._prepare(logits[i : i + 1], raw[i : i + 1], [seq])
                     logp = None if lp_rows is None else lp_rows[0]
                 out.append(self._pick(logits[i], seq, greedy, logp))
             except Exception as exc:
                 out.append(exc)
         return out
 
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
+        """Apply the structured outputs' masks to their rows (in place; every mask in one batched call). Returns
+        the rows that cannot be sampled, with why (a grammar that does not compile, a matcher in error)."""
+        failed: dict[int, Exception] = {}
+        rows: list[int] = []
+        matchers: list[Any] = []
+        for i, seq in enumerate(seqs):
+            if seq.params.structured_output is None:
+                continue
+            try:
+                if self.grammars is None:
+                    raise ValueError("this engine cannot apply structured outputs (it has no tokenizer)")
+                m = self.grammars.state(seq)
+            except Exception as exc:
+                failed[i] = exc
+                continue
+            rows.append(i)
+            matchers.append(m)
+        if rows:
+            assert self.grammars is not None
+            try:
+                self.grammars.apply(logits, rows, matchers)
+            except Exception:  # one matcher in error: mask row by row, so only that one fails
+                for i, m in zip(rows, matchers):
+                    try:
+                        self.grammars.apply(logits, [i], [m])
+                    except Exception as exc:
+                        failed[i] = exc
+        return failed
+
     @staticmethod
-    def _prepare(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
-        logits = logits.float()
+    def _prepare(
+        logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Greedy picks (of the masked logits) and log-probabilities (of the ``raw`` ones) when any row wants them."""
         want_lp = any(s.params.logprobs is not None for s in seqs)
-        return logits.argmax(-1).tolist(), torch.log_softmax(logits, -1) if want_lp else None
+        return logits.argmax(-1).tolist(), torch.log_softmax(raw, -1) if want_lp else None
 
     def _pick(self, row: torch.Tensor, seq: Sequence, greedy: int, logp: torch.Tensor | None) -> SampleResult:
         p = seq.params
@@ -59,7 +110,8 @@ class Sampler:
             if p.logprobs > 0:
                 vals, idx = logp.topk(p.logprobs)
                 top = dict(zip(idx.tolist(), vals.tolist()))
-        return SampleResult(tok, lp, top)
+        done = seq.grammar is not None and advance(seq.grammar, tok)
+        return SampleResult(tok, lp, top, done)
 
     def _sample(self, row: torch.Tensor, seq: Sequence) -> int:
         p = seq.params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -63,6 +64,7 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
+        self.grammar: Any = None  # a structured output's llguidance matcher, made on first use (worker/structured.py)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

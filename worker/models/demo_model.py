@@ -43,7 +43,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
 DEMO_VARIANTS = ("llama", "qwen2")
 
 # Part of the cache folder name: bump it whenever the files written here change, so stale caches are not reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _TARGET_VOCAB_SIZE = 4096
 # Qwen2's split (the one transformers' Qwen2Tokenizer hard-codes): words, single digits, punctuation runs, whitespace.
 _PRETOKENIZE_REGEX = (
@@ -52,15 +52,45 @@ _PRETOKENIZE_REGEX = (
 )
 
 # ChatML. String content is written as is; a list of OpenAI-style content parts contributes its text parts.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+# With ``tools`` (transformers' ``apply_chat_template(..., tools=...)``) it is Qwen2.5's (Hermes-style) tool format:
+# the functions' JSON in the system turn, the assistant's calls as <tool_call>{"name": ..., "arguments": ...}
+# </tool_call> after its text, tool results in a user turn inside <tool_response>. Without tools (and tool
+# messages) it renders exactly what it always did.
+_CONTENT = (
     "{%- if message['content'] is string -%}"
     "{{- message['content'] -}}"
     "{%- elif message['content'] -%}"
     "{%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}"
     "{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set message = messages[0] -%}" + _CONTENT + "{{- '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}"
+    "{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '"
+    ' + \'<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": \''
+    " + '<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' -}}" + _CONTENT + "{{- '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT + "{%- if message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' -}}"
+    "{%- if call['arguments'] is string -%}{{- call['arguments'] -}}{%- else -%}{{- call['arguments'] | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
