@@ -201,36 +201,6 @@ def _cmd_groups(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
-    p.add_argument("--admin-key", default=None, help="an admin key (default: $KVGRID_ADMIN_KEY)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
-    sub = p.add_subparsers(dest="command", required=True)
-    _add_demo_model(sub)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_scale_and_groups(sub)
-    _add_bench(sub)
-    _add_replay(sub)
-    return p
-
-
-def _add_demo_model(sub) -> None:
-    d = sub.add_parser("demo-model", help="write the deterministic demo model (HF format) into DIR")
-    d.add_argument("dir")
-    d.add_argument("--variant", default="llama", choices=["llama", "qwen2"])
-    d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=_cmd_demo_model)
-
-
-def _add_generate(sub) -> None:
-    g = sub.add_parser("generate", help="run prompts through one engine offline and show prefix-cache reuse")
-    g.add_argument("--model", default="demo", help="HF model folder, or 'demo' (built on first use)")
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two sharing a long prefix")
 def _cmd_advise(args: argparse.Namespace) -> int:
     """The cache advisor: a running server's (GET /{tenant}/v1/cache/advice) or, with --file, offline."""
     from router.gateway import advisor
@@ -290,6 +260,37 @@ def _add_advise(sub) -> None:
     a.set_defaults(func=_cmd_advise)
 
 
+def _admin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--admin-key", default=None, help="an admin key (default: $KVGRID_ADMIN_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_demo_model(sub)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_scale_and_groups(sub)
+    _add_advise(sub)
+    _add_bench(sub)
+    _add_replay(sub)
+    return p
+
+
+def _add_demo_model(sub) -> None:
+    d = sub.add_parser("demo-model", help="write the deterministic demo model (HF format) into DIR")
+    d.add_argument("dir")
+    d.add_argument("--variant", default="llama", choices=["llama", "qwen2"])
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_cmd_demo_model)
+
+
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="run prompts through one engine offline and show prefix-cache reuse")
+    g.add_argument("--model", default="demo", help="HF model folder, or 'demo' (built on first use)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two sharing a long prefix")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -303,7 +304,6 @@ def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve the model to every tenant of a config over HTTP (Ctrl-C stops)")
     s.add_argument("--config", required=True, help="YAML config (see README)")
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
-    _add_advise(sub)
     s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
     s.set_defaults(func=_cmd_serve)
 

@@ -120,6 +120,8 @@ class Admin:
         self.docs_on = docs
         self.registry = CollectorRegistry()
         self.gauges = [(Gauge(name, doc, ["group"], registry=self.registry), field) for name, doc, field in _GAUGES]
+        # More series for /v1/metrics, in Prometheus's text format (the tenants' usage ledger: usage_api.py).
+        self.extra_metrics: list[Callable[[], Awaitable[bytes]]] = []
 
     def _auth(self, request: Request) -> None:
         if not self.keys.authenticate("admin", presented_key(request.headers)):
@@ -128,8 +130,6 @@ class Admin:
     async def _ask_router(self, method: str, *args):
         """Ask the first router replica that answers (a dead or restarting one is skipped)."""
         last: BaseException | None = None
-        # More series for /v1/metrics, in Prometheus's text format (the tenants' usage ledger: usage_api.py).
-        self.extra_metrics: list[Callable[[], Awaitable[bytes]]] = []
         for router in self.routers:
             try:
                 return await asyncio.wait_for(getattr(router, method).remote(*args), CALL_TIMEOUT_S)
@@ -215,6 +215,6 @@ def create_admin_app(admin: Admin) -> FastAPI:
     app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
     # Starlette types a handler as taking any Exception; it calls this one only with an _AdminError.
     app.add_exception_handler(_AdminError, _admin_error)  # type: ignore[arg-type]
+    app.state.admin = admin
     routes.include(app, admin)
     return app
-    app.state.admin = admin
