@@ -152,6 +152,24 @@ class HttpConfig(_Strict):
     docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
 
 
+class KVTiersServeConfig(_Strict):
+    """Host RAM and disk tiers under every group's KV cache, per rank (worker/kv_tiers.py; README "KV tiers").
+    ``host_bytes`` 0 (the default) = no tiers; ``disk_path`` (each group writes under ``<disk_path>/<group>``)
+    needs ``disk_bytes`` and a host tier."""
+
+    host_bytes: int = Field(0, ge=0)
+    disk_path: str | None = Field(None, min_length=1)
+    disk_bytes: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _disk(self) -> KVTiersServeConfig:
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError("disk_bytes must be > 0 with a disk_path")
+        if self.disk_path is not None and self.host_bytes <= 0:
+            raise ValueError("host_bytes must be > 0 with a disk_path (blocks reach disk through host RAM)")
+        return self
+
+
 class ServeConfig(_Strict):
     model: str = "demo"
     block_size: int = Field(16, ge=1)
@@ -173,6 +191,7 @@ class ServeConfig(_Strict):
     # HTTP path streaming the tokens keeps a core); every other step uses cpus_per_rank.
     decode_cpus_per_rank: int | None = Field(None, ge=1)
     cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
+    kv_tiers: KVTiersServeConfig = KVTiersServeConfig()  # host RAM and disk under every group's KV cache (off)
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")

@@ -76,6 +76,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from worker import bench_tiers
+
+    bench_tiers.run(
+        model=args.model,
+        prompt_len=args.prompt_len,
+        gpu_blocks=args.gpu_blocks,
+        fill=args.fill,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        host_bytes=args.host_bytes,
+        disk_bytes=args.disk_bytes,
+        disk_path=args.disk_path,
+        device=args.device,
+        as_json=args.json,
+    )
+    return 0
+
+
 def _cmd_bench_tp(args: argparse.Namespace) -> int:
     from worker import bench
 
@@ -340,6 +359,7 @@ def _add_bench(sub) -> None:
     _add_bench_engine(bsub)
     _add_bench_tp(bsub)
     _add_bench_route(bsub)
+    _add_bench_tiers(bsub)
     bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
     add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serve)
@@ -374,6 +394,22 @@ def _add_bench_tp(bsub) -> None:
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_tp)
+
+
+def _add_bench_tiers(bsub) -> None:
+    t = bsub.add_parser("tiers", help="TTFT of a prompt evicted from a small KV pool, reloaded from host RAM and disk")
+    t.add_argument("--model", default="demo")
+    t.add_argument("--prompt-len", type=int, default=2048)
+    t.add_argument("--gpu-blocks", type=int, default=256, help="blocks in the engine's KV pool")
+    t.add_argument("--fill", type=int, default=8, help="other prompts sent in between (to evict the first)")
+    t.add_argument("--max-tokens", type=int, default=16, help="greedy output tokens compared with a recompute")
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--host-bytes", type=int, default=256 * 2**20)
+    t.add_argument("--disk-bytes", type=int, default=512 * 2**20)
+    t.add_argument("--disk-path", default=None, help="the disk tier's directory (default: a temporary one)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_bench_tiers)
 
 
 def _add_bench_route(bsub) -> None:

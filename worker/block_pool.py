@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from common.events import AllCleared, BlockRemoved, BlockStored, EventSink
 
+# Called with (block id, key, parent key, tenant) of a cached block just before an eviction reuses it: its K/V is
+# still intact (the KV tiers copy it down, worker/kv_tiers.py).
+EvictHook = Callable[[int, bytes, "bytes | None", str], None]
+
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "key", "tenant", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "key", "parent", "tenant", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.key: bytes | None = None
+        self.parent: bytes | None = None  # the key before ``key`` in its chain (None: a prompt's first block)
         self.tenant = ""  # the tenant holding it (in use by its request, or caching its key)
         self.prev: Block | None = None
         self.next: Block | None = None
@@ -87,7 +92,13 @@ class PoolUsage(NamedTuple):
 class BlockPool:
     """Owns ``num_blocks`` physical block ids; the K/V tensors they index live in the model runner."""
 
-    def __init__(self, num_blocks: int, sink: EventSink | None = None, shares: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        sink: EventSink | None = None,
+        shares: dict[str, float] | None = None,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         if shares and any(w <= 0 for w in shares.values()):
@@ -105,6 +116,7 @@ class BlockPool:
         self.pins: dict[int, tuple[float, str]] = {}  # block id -> (until, tenant)
         self._pin_deadlines: list[tuple[float, int]] = []
         self.pinned_blocks_of: dict[str, int] = defaultdict(int)
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -179,7 +191,9 @@ class BlockPool:
                 if self.key_to_block.get(b.key) is b:
                     del self.key_to_block[b.key]
                 evicted.append(b.key)
-                b.key = None
+                if self.on_evict is not None:
+                    self.on_evict(b.block_id, b.key, b.parent, b.tenant)
+                b.key = b.parent = None
                 self.resident[b.tenant] -= 1
             b.ref_cnt = 1
             b.tenant = tenant
@@ -207,6 +221,7 @@ class BlockPool:
                     self.resident[b.tenant] -= 1
                     self.resident[tenant] += 1
                 b.key, b.tenant = key, tenant
+                b.parent = run[-1] if run else run_parent
                 self.key_to_block[key] = b
                 run.append(key)
                 stored += 1
@@ -232,6 +247,22 @@ class BlockPool:
                     self.resident[b.tenant] -= 1
                     b.tenant = ""
                 self._enqueue(b)
+
+    def drop(self, key: bytes) -> bool:
+        """Forget the cached, unreferenced block of ``key`` (its content is bad or gone); returns whether it was
+        held."""
+        b = self.key_to_block.get(key)
+        if b is None or b.ref_cnt:
+            return False
+        self._dequeue(b)
+        del self.key_to_block[key]
+        self.resident[b.tenant] -= 1
+        b.key = b.parent = None
+        b.tenant = ""
+        self._enqueue(b)
+        if self.sink is not None:
+            self.sink.publish(BlockRemoved([key]))
+        return True
 
     def pin(
         self,
@@ -287,7 +318,7 @@ class BlockPool:
         for q in self.cached_queues.values():
             while len(q):
                 b = q.popleft()
-                b.key = None
+                b.key = b.parent = None
                 self.free_queue.append(b)
         self.cached_queues.clear()
         self._num_cached_free = 0

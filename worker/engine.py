@@ -26,6 +26,7 @@ from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from worker.attention import get_backend
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
 from worker.model_runner import ModelRunner
 from worker.models.demo_model import resolve_model
 from worker.output_processor import OutputProcessor
@@ -74,6 +75,8 @@ class EngineConfig:
     # A decode step is small and the HTTP path streams its tokens meanwhile: with cores shared, fewer threads
     # for it wait less on each other (see ModelRunner.pick_threads).
     decode_threads: int | None = None
+    # Host RAM and disk tiers under the KV cache, per rank (worker/kv_tiers.py; README "KV tiers"). Off by default.
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
 
     def __post_init__(self) -> None:
         if not is_power_of_two(self.block_size):
@@ -90,6 +93,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 1")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        if isinstance(self.kv_tiers, dict):
+            self.kv_tiers = KVTiersConfig(**self.kv_tiers)
 
 
 @dataclass
@@ -104,6 +109,14 @@ class EngineStats:
     num_preemptions: int
     computed_tokens: int
     prefix_cache: dict[str, PrefixCacheStats]
+    # The lower KV tiers ("host", "disk"; empty without tiers), and the figures the admin metrics read.
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    tier_load_bytes: int = 0
+    tier_load_seconds: float = 0.0
 
 
 def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -114,8 +127,14 @@ def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dty
     return _DTYPES[mcfg.torch_dtype] if mcfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
 
 
-def build_runner(config: EngineConfig) -> ModelRunner:
-    """Load this rank's shard of the model and allocate its KV cache (every rank of a group calls this)."""
+def engine_secret(config: EngineConfig) -> bytes | str:
+    """The secret that salts the tenants' root keys (and keys the KV tier files' MACs)."""
+    return config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
+
+
+def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> ModelRunner:
+    """Load this rank's shard of the model and allocate its KV cache and KV tiers (every rank of a group calls
+    this)."""
     mcfg = ModelConfig.from_folder(resolve_model(config.model))
     dev = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(dev)
@@ -124,6 +143,7 @@ def build_runner(config: EngineConfig) -> ModelRunner:
     runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
     runner.decode_threads = config.decode_threads
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
+    runner.enable_kv_tiers(config.kv_tiers, secret if secret is not None else engine_secret(config))
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))
     return runner
@@ -132,19 +152,24 @@ def build_runner(config: EngineConfig) -> ModelRunner:
 class Engine:
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
         self.config = config
-        self.runner = build_runner(config)
+        secret = engine_secret(config)
+        self.runner = build_runner(config, secret)
         self.model_config = mcfg = self.runner.mcfg
         self.model_path = mcfg.path
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = max_model_len(mcfg, config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_path)
+        tiers = None
+        if self.runner.tiers is not None:
+            tiers = TierIndex(self.runner.tiers, self.runner.stage_kv, event_sink, config.tenant_shares)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares
+            self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares, tiers
         )
+        if tiers is not None:
+            tiers.rebuild_disk_index(event_sink)  # AllCleared, then what a surviving disk tier holds
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(config.seed, Grammars(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
-        secret = config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
         self.root_key = RootKeys(secret, config.hash_algo)  # tenant -> its root key (never sent to a client)
         self._seqs: dict[str, Sequence] = {}
         # Explicit cache entries by their last block's key: (tenant, prompt tokens, deadline). What a draining
@@ -236,12 +261,19 @@ class Engine:
         now = time.monotonic()
         if self.kv.expire_pins(now) and self._pin_entries:
             self._prune_pin_entries(now)
+        if self.kv.tiers is not None and self.scheduler.waiting:
+            self.kv.stage(self.scheduler.waiting, self.config.max_num_seqs)  # disk -> host, before admission
         batch = self.scheduler.schedule()
+        kv_ops = self.kv.take_tier_ops()
+        if kv_ops and not batch:  # copies queued by an eviction outside a step (a fork): make them now
+            self.runner.run([], kv_ops=kv_ops)
+            self.kv.tier_step_done(self.runner.tier_load_s)
         if not batch:
             if self.has_unfinished():
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch, kv_ops=kv_ops)
+        self.kv.tier_step_done(self.runner.tier_load_s)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
         results = self.sampler(logits, done) if done else []
         for seq, n in batch:
@@ -371,8 +403,41 @@ class Engine:
             num_preemptions=sched.num_preemptions,
             computed_tokens=sched.num_computed_tokens,
             prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},
+            **_tier_fields(self.kv.tier_stats()),
         )
+
+    def close(self, max_s: float = 5.0) -> None:
+        """Write the GPU pool's cached blocks that the disk tier lacks down to it (for about ``max_s`` seconds at
+        most), and wait for the disk writes, so that a restart on the same ``disk_path`` and secret finds them.
+        Called once, when the engine stops; a no-op without tiers."""
+        tiers = self.kv.tiers
+        if tiers is None:
+            return
+        deadline = time.monotonic() + max_s
+        if tiers.disk is not None:
+            for _ in self.kv.write_down():  # a round of copies, as many as host RAM has slots for
+                ops = self.kv.take_tier_ops()
+                if ops:
+                    self.runner.run([], kv_ops=ops)
+                self.kv.tier_step_done(0.0)
+                tiers.store.flush()
+                if time.monotonic() > deadline:
+                    break
+        tiers.store.close()  # waits for the queued writes
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while idle); publishes ``AllCleared``."""
         return self.kv.reset()
+
+
+def _tier_fields(tiers: dict[str, TierStats]) -> dict:
+    host, disk = tiers.get("host", TierStats()), tiers.get("disk", TierStats())
+    return {
+        "kv_tiers": tiers,
+        "host_blocks": host.blocks,
+        "disk_blocks": disk.blocks,
+        "host_hit_blocks": host.hits,
+        "disk_hit_blocks": disk.hits,
+        "tier_load_bytes": host.load_bytes + disk.load_bytes,
+        "tier_load_seconds": host.load_s + disk.load_s,
+    }

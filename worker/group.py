@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import socket
@@ -112,6 +113,8 @@ class RankActor:
 
         if self.world > 1:
             init_tensor_parallel(self.rank, self.world, init_method, backend)
+        if config.kv_tiers.has_disk:  # every group keeps its block files apart (worker/kv_tiers.py)
+            config = dataclasses.replace(config, kv_tiers=config.kv_tiers.for_group(group))
         if self.rank == 0:
             self.step_timeout_s = config.step_timeout_s
             sink: EventSink = self.events
@@ -253,7 +256,7 @@ class RankActor:
         """Every key the pool holds (per tier, once the cache manager lists them so), read on the engine thread
         (the event writer's snapshot, from its thread)."""
         assert self.engine is not None
-        return self._call_engine(self.engine.kv.cached_keys)
+        return self._call_engine(self.engine.kv.held_keys)
 
     async def _run(self, fn, *args):
         """``fn(*args)`` on the engine thread: the event loop never waits on a step (so ``health`` and
@@ -374,9 +377,15 @@ class RankActor:
         return await self._run(self.engine.pinned_entries)
 
     def shutdown(self) -> None:
-        """Tell the other ranks to stop following (they return from ``follow``)."""
+        """Write the KV cache down to the disk tier, if any (for a few seconds at most, so that a restart finds
+        it), then tell the other ranks to stop following (they return from ``follow``)."""
         from worker.distributed import send_plan
 
+        if self.error is None and self.engine is not None:
+            try:
+                self._call_engine(self.engine.close)
+            except Exception as exc:  # a failed write-down loses cached blocks, nothing else
+                _log.warning("writing the KV cache down to disk failed: %s", exc)
         if self.error is None and self.world > 1:
             self._call_engine(send_plan, None)
 

@@ -4,12 +4,15 @@ engine and the worker group go through these methods, never to the pool itself."
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from common.events import EventSink
+from common.events import EventSink, HeldKeys, Tier
 from common.hashing import block_keys
 from worker.block_pool import Block, BlockPool, PoolUsage
+from worker.kv_tiers import TierIndex, TierOps, TierStats
 from worker.sequence import Sequence
 
 
@@ -32,10 +35,12 @@ class KVCacheManager:
         hash_algo: str,
         sink: EventSink | None = None,
         shares: dict[str, float] | None = None,
+        tiers: TierIndex | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self._pool = BlockPool(num_blocks, sink, shares)
+        self.tiers = tiers  # host RAM and disk below the pool (worker/kv_tiers.py)
+        self._pool = BlockPool(num_blocks, sink, shares, on_evict=tiers.on_gpu_evict if tiers else None)
         self.stats: dict[str, PrefixCacheStats] = defaultdict(PrefixCacheStats)
 
     def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -51,25 +56,58 @@ class KVCacheManager:
         """The longest run of cached leading blocks of ``seq``, leaving at least its last token to compute."""
         return self._pool.cached_prefix(self.keys_of(seq, (seq.num_tokens - 1) // self.block_size))
 
+    def find_lower(self, seq: Sequence, start: int) -> int:
+        """How many blocks of ``seq`` from block ``start`` on (past its GPU prefix) host RAM holds: blocks
+        admission loads instead of computing (leaving at least the last token to compute)."""
+        if self.tiers is None:
+            return 0
+        keys = self.keys_of(seq, (seq.num_tokens - 1) // self.block_size)[start:]
+        return self.tiers.host_run(keys, seq.tenant)
+
+    def stage(self, waiting: Iterable[Sequence], max_seqs: int) -> None:
+        """Before scheduling: read from disk into host RAM the blocks that continue the prefix of the first
+        ``max_seqs`` waiting requests past what the GPU pool and host RAM hold."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        for seq in itertools.islice(waiting, max_seqs):
+            keys = self.keys_of(seq, (seq.num_tokens - 1) // self.block_size)
+            start = len(self._pool.cached_prefix(keys))
+            start += self.tiers.host_run(keys[start:], seq.tenant)
+            self.tiers.stage(keys[start:], seq.tenant)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
 
-    def can_admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> bool:
+    def can_admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int, lower: int = 0) -> bool:
+        """Whether the pool can take ``seq`` with its cached ``prefix``, ``lower`` blocks loaded from host RAM
+        after it, and ``num_new_tokens`` to compute."""
         assert not seq.block_table
-        fresh = -(-(len(prefix) * self.block_size + num_new_tokens) // self.block_size) - len(prefix)
+        have = len(prefix) + lower
+        fresh = -(-(have * self.block_size + num_new_tokens) // self.block_size) - len(prefix)
         # Touching a cached-but-free prefix block takes it out of the free queue too.
         reclaimed = sum(1 for b in prefix if b.ref_cnt == 0)
         return fresh + reclaimed <= self._pool.num_free
 
-    def admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int) -> None:
-        """Attach the cached ``prefix`` (no copy) and allocate blocks for the next ``num_new_tokens``."""
+    def admit(self, seq: Sequence, prefix: list[Block], num_new_tokens: int, lower: int = 0) -> None:
+        """Attach the cached ``prefix`` (no copy), then ``lower`` fresh blocks that the coming step loads from host
+        RAM (registered now: they count as cached), and allocate blocks for the next ``num_new_tokens``."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         self._pool.touch(prefix)
         seq.block_table = list(prefix)
-        seq.num_computed_tokens = len(prefix) * self.block_size
-        seq.num_registered_blocks = len(prefix)
+        if lower:
+            assert self.tiers is not None
+            start = len(prefix)
+            keys = seq.block_keys[start : start + lower]
+            held = self.tiers.hold(keys)
+            loaded = self._pool.allocate(lower, seq.tenant)
+            self.tiers.load(keys, held, loaded)
+            seq.block_table.extend(loaded)
+            parent = seq.block_keys[start - 1] if start else None
+            self._pool.cache(loaded, keys, parent, seq.tenant)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -130,8 +168,43 @@ class KVCacheManager:
         return self._pool.usage()
 
     def reset(self) -> bool:
-        """Forget every cached block (only while no block is in use); returns whether it happened."""
-        return self._pool.reset()
+        """Forget every cached block, in every tier (only while no block is in use); returns whether it
+        happened."""
+        if not self._pool.reset():
+            return False
+        if self.tiers is not None:
+            self.tiers.reset()
+        return True
+
+    def write_down(self) -> Iterator[None]:
+        """Queue tier copies that put every cached GPU block the disk tier lacks on disk (through host RAM),
+        yielding after each round the host slots allow: the caller then runs the queued ops and resumes."""
+        assert self.tiers is not None
+        for b in list(self._pool.key_to_block.values()):
+            if b.key is None:
+                continue
+            if not self.tiers.copy_down(b.block_id, b.key, b.parent, b.tenant):
+                yield
+                if not self.tiers.copy_down(b.block_id, b.key, b.parent, b.tenant):
+                    return  # no host slot even after a round: give up
+        yield
+
+    def take_tier_ops(self) -> TierOps | None:
+        """The tier copies the coming step makes first (None without tiers)."""
+        return self.tiers.take_ops() if self.tiers is not None else None
+
+    def tier_step_done(self, load_s: float) -> None:
+        if self.tiers is not None:
+            self.tiers.step_done(load_s)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        return self.tiers.tier_stats() if self.tiers is not None else {}
+
+    def held_keys(self) -> HeldKeys:
+        """What a KV event snapshot lists: the GPU pool's cached keys, and with tiers every tier's."""
+        if self.tiers is None:
+            return self.cached_keys()
+        return {Tier.GPU: self.cached_keys(), **self.tiers.held_keys()}
 
     def cached_keys(self) -> list[bytes]:
         """The key of every block the pool holds cached (in use or free): a snapshot of what it has published."""

@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from common.model_config import ModelConfig
 from worker.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from worker.distributed import all_reduce_min, recv_plan, send_plan, tp_size
+from worker.distributed import all_reduce_min, recv_plan, send_plan, tp_rank, tp_size
+from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps, TierStore, model_fingerprint
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledSeq
 
@@ -28,6 +29,7 @@ class StepInputs(NamedTuple):
     seq_lens: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # rows of the batch whose logits are sampled
+    kv_ops: TierOps | None = None  # KV tier copies, run first (offloads read blocks this step overwrites)
 
 
 def kv_heads_per_rank(mcfg: ModelConfig) -> int:
@@ -80,6 +82,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.decode_threads: int | None = None  # CPU threads of a decode-only step; None: no change per step
         self._step_threads: int | None = None  # the thread count the engine thread was given (read at its first step)
+        self.tiers: TierStore | None = None  # host RAM and disk under the KV cache (enable_kv_tiers)
+        self.tier_load_s = 0.0  # what the last step's tier loads took
 
     def allocate_kv_cache(self, num_blocks: int | None, cpu_bytes: int, gpu_fraction: float) -> int:
         """Allocate the paged K/V tensors and return their block count: ``num_blocks`` if given, else what fits
@@ -100,6 +104,29 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
         return num_blocks
+
+    def enable_kv_tiers(self, config: KVTiersConfig, secret: bytes | str) -> TierStore | None:
+        """This rank's host and disk tiers (call after ``allocate_kv_cache``); None when ``config`` has none."""
+        if not config.enabled:
+            return None
+        fp = model_fingerprint(self.mcfg, self.model, self.dtype, self.block_size, tp_size(), tp_rank())
+        shape = self.kv_cache.shape
+        block_shape = (shape[0], shape[1], *shape[3:])
+        self.tiers = TierStore(config, block_shape, self.dtype, self.device, fp, secret, tp_size(), tp_rank())
+        return self.tiers
+
+    def stage_kv(self, plan: StagePlan) -> int:
+        """Every rank reads the plan's disk blocks into host RAM; returns how many leading blocks every rank
+        read (a block one rank could not read is a miss for all, and its files go)."""
+        send_plan(plan)
+        return self._stage_local(plan)
+
+    def _stage_local(self, plan: StagePlan) -> int:
+        assert self.tiers is not None
+        n = all_reduce_min(self.tiers.stage(plan))
+        if n < len(plan.blocks):
+            self.tiers.delete(plan.blocks[n][1])
+        return n
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
         """The step's plan in plain lists: what rank 0 sends to the other ranks of its group."""
@@ -129,6 +156,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInputs) -> torch.Tensor:
         """Run the model on a prepared step; returns float32 logits of the sampled rows, in batch order."""
+        if inp.kv_ops:
+            assert self.tiers is not None
+            self.tier_load_s = self.tiers.apply(self.kv_cache, inp.kv_ops)
+        if not inp.input_ids:  # tier copies only
+            return torch.empty(0, self.mcfg.vocab_size, dtype=torch.float32)
         self.pick_threads(inp)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.run(inp)
@@ -188,16 +220,23 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, graph_batch_sizes(max_num_seqs), -(-max_model_len // self.block_size))
             self.graphs.capture()
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Rank 0's step: plan it, hand the plan to the other ranks, and compute its own shard."""
-        inp = self.prepare(batch)
+    def run(self, batch: list[ScheduledSeq], kv_ops: TierOps | None = None) -> torch.Tensor:
+        """Rank 0's step: plan it, hand the plan to the other ranks, and compute its own shard (after the
+        KV tier copies ``kv_ops``)."""
+        self.tier_load_s = 0.0
+        inp = self.prepare(batch) if batch else StepInputs([], [], [], [0], [], [], [])
+        if kv_ops:
+            inp = inp._replace(kv_ops=kv_ops)
         send_plan(inp)
         return self.execute(inp)
 
     def follow(self) -> None:
         """Ranks > 0: execute rank 0's plans until it sends ``None`` (shutdown)."""
         while (inp := recv_plan()) is not None:
-            self.execute(inp)
+            if isinstance(inp, StagePlan):
+                self._stage_local(inp)
+            else:
+                self.execute(inp)
 
 
 def _block_table(tables: list[list[int]], width: int) -> torch.Tensor:

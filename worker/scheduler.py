@@ -76,13 +76,14 @@ class Scheduler:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             prefix = self.kv.find_prefix(seq)
-            nxt = len(prefix)
+            lower = self.kv.find_lower(seq, len(prefix))  # blocks host RAM holds after the GPU prefix: loaded
+            nxt = len(prefix) + lower
             if nxt < len(seq.block_keys) and seq.block_keys[nxt] in self.inflight:
                 continue  # another request is computing this block: take it from the cache next step
             n = min(seq.num_tokens - nxt * self.kv.block_size, budget)
-            if not self.kv.can_admit(seq, prefix, n):
+            if not self.kv.can_admit(seq, prefix, n, lower):
                 break  # first come, first served on memory
-            self.kv.admit(seq, prefix, n)
+            self.kv.admit(seq, prefix, n, lower)
             seq.status = SequenceStatus.RUNNING
             for key in seq.block_keys[nxt : seq.num_prompt_tokens // self.kv.block_size]:
                 self.inflight.setdefault(key, seq.request_id)

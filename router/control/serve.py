@@ -153,6 +153,7 @@ def run(
 def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool):
     """Every group's engine settings, from the serve config."""
     from worker.engine import EngineConfig
+    from worker.kv_tiers import KVTiersConfig
 
     return EngineConfig(
         model=model_path,
@@ -168,6 +169,7 @@ def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool
             t.name: t.cache.max_pinned_tokens for t in cfg.tenants if t.cache.max_pinned_tokens is not None
         },
         tenant_shares={t.name: t.cache.share for t in cfg.tenants},
+        kv_tiers=KVTiersConfig(**cfg.kv_tiers.model_dump()),
     )
 
 

@@ -100,6 +100,13 @@ _GAUGES = [  # (name, help, EngineStats field)
     ("kvgrid_group_free_blocks", "Free KV blocks", "blocks_free"),
     ("kvgrid_group_cached_blocks", "Cached (evictable) KV blocks", "blocks_cached"),
     ("kvgrid_group_pinned_blocks", "Pinned KV blocks", "blocks_pinned"),
+    # KV tiers (worker/kv_tiers.py): blocks held in host RAM and on disk, blocks hit there, and what loading cost.
+    ("kvgrid_group_host_blocks", "KV blocks held in host RAM", "host_blocks"),
+    ("kvgrid_group_disk_blocks", "KV blocks held on disk", "disk_blocks"),
+    ("kvgrid_group_host_hit_blocks", "KV blocks loaded from host RAM instead of computed", "host_hit_blocks"),
+    ("kvgrid_group_disk_hit_blocks", "KV blocks read from disk instead of computed", "disk_hit_blocks"),
+    ("kvgrid_group_tier_load_bytes", "Bytes of KV loaded from host RAM and disk", "tier_load_bytes"),
+    ("kvgrid_group_tier_load_seconds", "Seconds spent loading KV from host RAM and disk", "tier_load_seconds"),
 ]
 
 

@@ -1,0 +1,224 @@
+"""KV tiers (worker/kv_tiers.py): blocks evicted from a small pool come back from host RAM and disk with the same
+greedy output, count as cached, survive a new engine on the same directory and secret, and a foreign, planted,
+corrupted or truncated file is a miss, never a wrong answer."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+
+from common.config import ConfigError, ServeConfig
+from common.events import AllCleared, BlockRemoved, BlockStored, ListSink, Tier
+from common.hashing import block_keys, tenant_root_key
+from common.sampling import SamplingParams
+from worker.engine import Engine, EngineConfig
+from worker.kv_tiers import KVTiersConfig, decode_header, encode_block, file_name, mac_key
+
+SECRET = b"test-tiers-secret"
+BS = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+POOL = 40  # blocks: a 100-token prompt takes 7, so the fill below evicts it several times over
+
+
+def make(path, tiers: KVTiersConfig | None = None, secret: bytes = SECRET, sink: ListSink | None = None) -> Engine:
+    cfg = EngineConfig(model=str(path), device="cpu", num_blocks=POOL, secret=secret, kv_tiers=tiers or KVTiersConfig())
+    return Engine(cfg, event_sink=sink)
+
+
+def host_only() -> KVTiersConfig:
+    return KVTiersConfig(host_bytes=16 * 2**20)
+
+
+def with_disk(d, disk_bytes: int = 32 * 2**20) -> KVTiersConfig:
+    return KVTiersConfig(host_bytes=16 * 2**20, disk_path=str(d), disk_bytes=disk_bytes)
+
+
+def prompt(rng: random.Random, n: int = 100) -> list[int]:
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+def fill(engine: Engine, rng: random.Random, n: int = 12, tenant: str = "default") -> None:
+    """Push every earlier prompt out of the pool (n x 7 blocks through a pool of 40)."""
+    for _ in range(n):
+        engine.generate([prompt(rng)], SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_path):
+    """Greedy outputs of an engine without tiers (the recompute), memoised."""
+    plain = make(demo_path)
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def ref(p: list[int]) -> list[int]:
+        if tuple(p) not in memo:
+            memo[tuple(p)] = list(plain.generate([p], GREEDY)[0].token_ids)
+            plain.reset_prefix_cache()
+        return memo[tuple(p)]
+
+    return ref
+
+
+def test_host_reload_same_output_and_cached(demo_path, reference):
+    rng = random.Random(1)
+    sink = ListSink()
+    eng = make(demo_path, host_only(), sink=sink)
+    first = prompt(rng)
+    out = eng.generate([first], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == reference(first)
+    keys = block_keys(first, BS, tenant_root_key(SECRET, "default"))
+    fill(eng, rng)
+    events = sink.drain()
+    removed_gpu = {k for e in events if isinstance(e, BlockRemoved) and e.tier is Tier.GPU for k in e.keys}
+    stored_host = {k for e in events if isinstance(e, BlockStored) and e.tier is Tier.HOST for k in e.keys}
+    assert set(keys) <= removed_gpu and set(keys) <= stored_host  # evicted from the pool, landed in host RAM
+    again = eng.generate([first], GREEDY)[0]
+    assert again.token_ids == reference(first)
+    assert again.num_cached_tokens == 6 * BS  # every full block but the one holding the last prompt token
+    st = eng.stats()
+    assert st.host_hit_blocks >= 6 and st.tier_load_bytes > 0 and st.kv_tiers["host"].loads >= 6
+    assert st.prefix_cache["default"].hit_tokens >= 6 * BS
+    # Loaded blocks are GPU blocks again (published as such), and not written to host RAM a second time.
+    later = sink.drain()
+    assert any(isinstance(e, BlockStored) and e.tier is Tier.GPU and keys[0] in e.keys for e in later)
+    assert not any(isinstance(e, BlockStored) and e.tier is Tier.HOST and keys[0] in e.keys for e in later)
+
+
+def test_disk_survives_new_engine(demo_path, reference, tmp_path):
+    rng = random.Random(2)
+    evicted, resident = prompt(rng), prompt(rng)
+    eng = make(demo_path, with_disk(tmp_path))
+    eng.generate([evicted], GREEDY)
+    fill(eng, rng)
+    eng.generate([resident], GREEDY)  # still in the pool at close: written down then
+    eng.close()
+    sink = ListSink()
+    eng2 = make(demo_path, with_disk(tmp_path), sink=sink)
+    events = sink.drain()
+    assert isinstance(events[0], AllCleared)
+    on_disk = {k for e in events[1:] if isinstance(e, BlockStored) and e.tier is Tier.DISK for k in e.keys}
+    root = tenant_root_key(SECRET, "default")
+    for p in (evicted, resident):
+        assert set(block_keys(p, BS, root)) <= on_disk
+        out = eng2.generate([p], GREEDY)[0]
+        assert out.token_ids == reference(p)
+        assert out.num_cached_tokens == 6 * BS
+    assert eng2.stats().disk_hit_blocks >= 12
+    # Another secret: other keys, nothing found (and nothing wrong).
+    eng2.close()
+    other = make(demo_path, with_disk(tmp_path), secret=b"another-secret")
+    out = other.generate([evicted], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == reference(evicted)
+    other.close()
+
+
+def _written(demo_path, tmp_path, p: list[int], tenant: str = "default"):
+    """Compute ``p`` for ``tenant`` on an engine with a disk tier, write it down; returns (rank dir, keys)."""
+    eng = make(demo_path, with_disk(tmp_path))
+    eng.generate([p], GREEDY, tenant=tenant)
+    eng.close()
+    assert eng.runner.tiers is not None and eng.runner.tiers.dir is not None
+    return eng.runner.tiers.dir, block_keys(p, BS, tenant_root_key(SECRET, tenant))
+
+
+def test_planted_file_of_another_tenant_is_never_loaded(demo_path, reference, tmp_path):
+    rng = random.Random(3)
+    p = prompt(rng)
+    d, keys_a = _written(demo_path, tmp_path, p, tenant="a")
+    keys_b = block_keys(p, BS, tenant_root_key(SECRET, "b"))
+    # Tenant a's files under tenant b's names (as if b's prefix were there) ...
+    for ka, kb in zip(keys_a, keys_b):
+        shutil.copy(d / file_name(ka), d / file_name(kb))
+    # ... and one re-signed for b by someone without the server secret.
+    data = (d / file_name(keys_a[0])).read_bytes()
+    h = decode_header(data)
+    assert h is not None
+    payload = data[len(h.head) + 16 :]
+    forged = encode_block(h.fingerprint, keys_b[0], None, "b", payload, mac_key(b"guessed"))
+    (d / file_name(keys_b[0])).write_bytes(forged)
+    eng = make(demo_path, with_disk(tmp_path))
+    out = eng.generate([p], GREEDY, tenant="b")[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == reference(p)
+    assert eng.stats().disk_hit_blocks == 0
+    # Tenant a still gets its own blocks.
+    out = eng.generate([p], GREEDY, tenant="a")[0]
+    assert out.num_cached_tokens == 6 * BS and out.token_ids == reference(p)
+    eng.close()
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "foreign"])
+def test_damaged_file_is_a_miss(demo_path, reference, tmp_path, damage):
+    rng = random.Random(4)
+    p = prompt(rng)
+    d, keys = _written(demo_path, tmp_path, p)
+    path = d / file_name(keys[2])
+    data = bytearray(path.read_bytes())
+    if damage == "corrupted":  # one payload byte flipped: found at load
+        data[-100] ^= 0xFF
+    elif damage == "truncated":  # cut short: dropped when the index is rebuilt
+        data = data[: len(data) // 2]
+    else:  # another model's (or dtype's, layout's) block, otherwise valid
+        h = decode_header(bytes(data))
+        assert h is not None
+        data = bytearray(
+            encode_block(b"\x00" * 16, h.key, h.parent, h.tenant, bytes(data[len(h.head) + 16 :]), mac_key(SECRET))
+        )
+    path.write_bytes(bytes(data))
+    eng = make(demo_path, with_disk(tmp_path))
+    out = eng.generate([p], GREEDY)[0]
+    assert out.token_ids == reference(p)
+    assert out.num_cached_tokens == 2 * BS  # the blocks before the damaged one
+    if damage == "corrupted":
+        assert eng.stats().kv_tiers["disk"].bad == 1
+    eng.close()
+    assert not path.exists() or path.read_bytes() != bytes(data)  # the bad file is gone (or recomputed anew)
+
+
+def test_disk_stays_within_disk_bytes(demo_path, tmp_path):
+    rng = random.Random(5)
+    per_file = 64 * 1024 + 256
+    limit = 30 * per_file
+    eng = make(demo_path, with_disk(tmp_path, disk_bytes=limit))
+    fill(eng, rng, n=15)  # about 100 blocks pass through a disk of 29
+    eng.close()
+    tiers = eng.runner.tiers
+    assert tiers is not None and tiers.dir is not None
+    used = tiers.disk_usage()
+    files = list(tiers.dir.glob("*.kvb"))
+    assert 0 < used <= limit
+    assert len(files) == eng.stats().disk_blocks
+    # And after a restart with a smaller limit, the oldest files go.
+    eng2 = make(demo_path, with_disk(tmp_path, disk_bytes=10 * per_file))
+    eng2.close()
+    assert eng2.runner.tiers is not None and eng2.runner.tiers.disk_usage() <= 10 * per_file
+
+
+def test_host_tier_keeps_tenant_shares(demo_path):
+    """A tenant flooding the host tier evicts its own host blocks first, not another tenant's."""
+    rng = random.Random(6)
+    block_bytes = 4 * 2 * BS * 2 * 64 * 4
+    eng = make(demo_path, KVTiersConfig(host_bytes=40 * block_bytes))
+    victim = prompt(rng)
+    eng.generate([victim], GREEDY, tenant="victim")
+    fill(eng, rng, n=20, tenant="flooder")  # 140 blocks through a host tier of 40
+    keys = block_keys(victim, BS, tenant_root_key(SECRET, "victim"))
+    held = {Tier(t): set(k) for t, k in eng.kv.held_keys().items()}  # type: ignore[union-attr]
+    assert set(keys[:6]) <= held[Tier.HOST] | held[Tier.GPU]
+
+
+def test_config_validation():
+    base = {"tenants": [{"name": "a", "api_keys": ["sk-aaaaaaaaaaaa"]}]}
+    cfg = ServeConfig.model_validate(
+        {**base, "kv_tiers": {"host_bytes": 1 << 20, "disk_path": "/tmp/x", "disk_bytes": 1}}
+    )
+    assert cfg.kv_tiers.disk_path == "/tmp/x"
+    assert ServeConfig.model_validate(base).kv_tiers.host_bytes == 0  # off by default
+    with pytest.raises(ValueError, match="disk_bytes"):
+        ServeConfig.model_validate({**base, "kv_tiers": {"host_bytes": 1 << 20, "disk_path": "/tmp/x"}})
+    with pytest.raises(ValueError, match="host_bytes"):
+        ServeConfig.model_validate({**base, "kv_tiers": {"host_bytes": -1}})
+    with pytest.raises(ValueError, match="host_bytes"):
+        KVTiersConfig(disk_path="/tmp/x", disk_bytes=10)
+    assert isinstance(EngineConfig(kv_tiers={"host_bytes": 10}).kv_tiers, KVTiersConfig)  # type: ignore[arg-type]
+    assert ConfigError  # load_config wraps these errors naming the field (tests/test_config.py)
