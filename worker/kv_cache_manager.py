@@ -139,6 +139,30 @@ class KVCacheManager:
         seq.num_registered_blocks = num_full
         return keys
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give ``child`` the K/V of ``parent``'s computed tokens (n > 1: a choice of the same prompt): the full
+        blocks are shared by reference count, the last partial block (where both will write their next tokens)
+        is copy-on-write: ``child`` gets a fresh block, and the caller must copy the parent's into it before
+        either writes. Returns those (source, destination) block-id copies, or None (nothing changed) when the
+        pool has no free block for the copy."""
+        assert not child.block_table
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self._pool.num_free < 1:
+            return None
+        shared = parent.block_table[:full]
+        self._pool.touch(shared)
+        child.block_table = list(shared)
+        copies = []
+        if partial:
+            (block,) = self._pool.allocate(1, child.tenant)
+            child.block_table.append(block)
+            copies.append((parent.block_table[full].block_id, block.block_id))
+        child.block_keys = list(parent.block_keys)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.admitted, child.num_cached_tokens = True, parent.num_cached_tokens
+        return copies
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's blocks, tail first; their computed content stays cached until evicted."""
         self._pool.free(reversed(seq.block_table))

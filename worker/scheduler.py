@@ -38,6 +38,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Take in a sequence that already holds the blocks of its computed tokens (a choice forked from a
+        request whose prompt was just computed, see ``Engine._fork_choices``): it decodes from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_room(self) -> bool:
+        """Whether one more sequence may run (``max_num_seqs``)."""
+        return len(self.running) < self.max_num_seqs
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -31,7 +31,10 @@ class Sequence:
         tenant: str,
         root_key: bytes,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # unique in the engine (choice c > 0 of a request is "{id}/{c}")
+        self.output_id = request_id  # the id its outputs carry: the request's, for every choice
+        self.choice = 0  # which of the request's choices (RequestOutput.index)
+        self.num_choices = 1  # n: the choices forked from this sequence once its prompt is computed
         # The prompt, kept apart from ``token_ids`` (which grows) so every output can share it without a copy.
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
