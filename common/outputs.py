@@ -34,7 +34,28 @@ class RequestOutput:
     ttft: float | None = None  # seconds from arrival to the first output token
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
     error: str | None = None  # why the engine failed this request alone (finish_reason ERROR)
+    index: int = 0  # which of the request's ``n`` choices this is (0 .. n-1; they share the prompt)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def merge_choices(outs: list[RequestOutput]) -> RequestOutput:
+    """The choices of one ``n`` > 1 request as one output for its usage: the prompt (and its cache reuse) once,
+    the output tokens of every choice; finished once all are."""
+    first = min(outs, key=lambda o: o.index)
+    return RequestOutput(
+        request_id=first.request_id,
+        tenant=first.tenant,
+        prompt_token_ids=first.prompt_token_ids,
+        token_ids=[t for o in sorted(outs, key=lambda o: o.index) for t in o.token_ids],
+        text="",
+        new_token_ids=[],
+        delta_text="",
+        finished=all(o.finished for o in outs),
+        finish_reason=first.finish_reason,
+        num_cached_tokens=first.num_cached_tokens,
+        num_pinned_tokens=first.num_pinned_tokens,
+        ttft=first.ttft,
+    )

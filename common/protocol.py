@@ -64,6 +64,7 @@ class Submit:
     request_id: str | None = None  # None: named by whoever sends it (a fresh ``req-...`` id)
     pin_tokens: int = 0
     pin_ttl_s: float = 300.0
+    n: int = 1  # choices of the prompt (computed once); each of their deltas carries its ``index``
 
     def named(self) -> Submit:
         """This request with a request id: its own, else a fresh one."""
@@ -88,6 +89,7 @@ class Delta:
     stop_reason: str | int | None = None
     error: str | None = None
     aborted: bool = False
+    index: int = 0  # which choice (n > 1): a request has ended once each of its ``n`` choices finished
 
     @classmethod
     def of(cls, out: RequestOutput) -> Delta:
@@ -105,6 +107,7 @@ class Delta:
             out.ttft,
             out.stop_reason,
             out.error,
+            index=out.index,
         )
 
     @classmethod
@@ -133,42 +136,61 @@ class _StreamedOutput(RequestOutput):
         self._text = value
 
 
-class Outputs:
-    """One request's cumulative outputs, built delta by delta in time linear in its length. Every output of a
-    stream shares its ``token_ids`` / ``logprobs`` / ``top_logprobs`` lists, extended in place: each holds the
-    values of the latest step when read as it is yielded (copy one to keep a step's values); ``text`` is the
-    output's own (joined when read)."""
+class _Choice:
+    """One choice's cumulative lists, extended in place."""
 
-    def __init__(self, req: Submit, request_id: str) -> None:
-        self.request_id, self.tenant, self.prompt = request_id, req.tenant, req.prompt
+    __slots__ = ("token_ids", "chunks", "logprobs", "top_logprobs")
+
+    def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.chunks: list[str] = []
         self.logprobs: list[float] | None = None
         self.top_logprobs: list[dict[int, float]] | None = None
 
+
+class Outputs:
+    """One request's cumulative outputs (of each of its ``n`` choices), built delta by delta in time linear in
+    their length. Every output of a choice shares its ``token_ids`` / ``logprobs`` / ``top_logprobs`` lists,
+    extended in place: each holds the values of the latest step when read as it is yielded (copy one to keep a
+    step's values); ``text`` is the output's own (joined when read). ``done``: every choice has finished."""
+
+    def __init__(self, req: Submit, request_id: str) -> None:
+        self.request_id, self.tenant, self.prompt = request_id, req.tenant, req.prompt
+        self.choices: dict[int, _Choice] = {}
+        self.left = req.n  # choices not finished yet
+
+    @property
+    def done(self) -> bool:
+        return self.left <= 0
+
     def advance(self, d: Delta) -> RequestOutput:
-        """The cumulative output after delta ``d``; raises ``RequestAborted`` or ``RequestFailed`` for those
-        ends."""
+        """The cumulative output of ``d``'s choice after delta ``d``; raises ``RequestAborted`` or
+        ``RequestFailed`` for those ends."""
         if d.aborted:
             raise RequestAborted(f"request {d.request_id} was aborted")
         if d.error is not None:
             raise RequestFailed(f"request {d.request_id} failed: {d.error}")
-        self.token_ids.extend(d.new_token_ids)
+        c = self.choices.get(d.index)
+        if c is None:
+            c = self.choices[d.index] = _Choice()
+        c.token_ids.extend(d.new_token_ids)
         if d.delta_text:
-            self.chunks.append(d.delta_text)
+            c.chunks.append(d.delta_text)
         if d.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(d.logprobs)
+            if c.logprobs is None:
+                c.logprobs = []
+            c.logprobs.extend(d.logprobs)
         if d.top_logprobs is not None:
-            if self.top_logprobs is None:
-                self.top_logprobs = []
-            self.top_logprobs.extend(d.top_logprobs)
+            if c.top_logprobs is None:
+                c.top_logprobs = []
+            c.top_logprobs.extend(d.top_logprobs)
+        if d.finished:
+            self.left -= 1
         return _StreamedOutput(
             request_id=self.request_id,
             tenant=self.tenant,
             prompt_token_ids=self.prompt,
-            token_ids=self.token_ids,
+            token_ids=c.token_ids,
             text=None,
             new_token_ids=d.new_token_ids,
             delta_text=d.delta_text,
@@ -176,11 +198,12 @@ class Outputs:
             finish_reason=d.finish_reason,
             num_cached_tokens=d.num_cached_tokens,
             num_pinned_tokens=d.num_pinned_tokens,
-            logprobs=None if d.logprobs is None else self.logprobs,
-            top_logprobs=None if d.top_logprobs is None else self.top_logprobs,
+            logprobs=None if d.logprobs is None else c.logprobs,
+            top_logprobs=None if d.top_logprobs is None else c.top_logprobs,
             ttft=d.ttft,
             stop_reason=d.stop_reason,
-            chunks=self.chunks,
+            index=d.index,
+            chunks=c.chunks,
         )
 
 
@@ -274,8 +297,9 @@ class GroupLink:
                 if isinstance(item, Exception):
                     finished = True
                     raise type(item)(*item.args)
-                finished = item.finished
-                yield outputs.advance(item)
+                out = outputs.advance(item)
+                finished = outputs.done
+                yield out
         finally:
             self._streams.pop(rid, None)
             if not finished and self._error is None:
@@ -362,8 +386,9 @@ class GroupClient:
                         f"worker group {self.group!r} ended the stream before the request finished"
                     )
                 for d in ray.get(ref):
-                    finished = d.finished
-                    yield outputs.advance(d)
+                    out = outputs.advance(d)
+                    finished = outputs.done
+                    yield out
         except RayError as exc:
             raise group_error(exc, self.group) from exc
         finally:

@@ -9,6 +9,7 @@ returns one ``RequestOutput`` per request that advanced, with the step's new tok
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from worker.structured import Grammars
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_ERROR_CHARS = 500
+MAX_CHOICES = 128  # n of one request
 _log = logging.getLogger(__name__)
 
 
@@ -176,6 +178,9 @@ class Engine:
         # group hands over so another group can recompute and pin them.
         self._pin_entries: dict[bytes, tuple[str, list[int], float]] = {}
         self._ids = itertools.count()
+        # n > 1: request id -> [n, choices not finished yet]; KV block copies the next step makes first.
+        self._choices: dict[str, list[int]] = {}
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -191,8 +196,12 @@ class Engine:
         request_id: str | None = None,
         pin_tokens: int = 0,
         pin_ttl_s: float = 300.0,
+        n: int = 1,
     ) -> str:
         """Queue a request; raises ``ValueError`` (and changes nothing) if it is malformed or can never fit.
+
+        ``n``: that many choices of one prompt, computed once: see ``_fork_choices``. Their outputs all carry
+        the request's id, each with its ``index``.
 
         ``pin_tokens``: keep the full blocks of the first ``pin_tokens`` prompt tokens cached for ``pin_ttl_s``
         seconds after this request computes or hits them (an explicit cache entry; a hit refreshes it), within
@@ -202,8 +211,13 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
         seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant))
         seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
+        if n > 1:
+            seq.num_choices = n
+            self._choices[request_id] = [n, n]
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -244,12 +258,16 @@ class Engine:
         return prompt
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now; its blocks are released. Returns False if it is unknown or already done."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None or seq.is_finished:
-            return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return True
+        """Stop a request now (every choice of it); its blocks are released. Returns False if it is unknown or
+        already done."""
+        n = self._choices.pop(request_id, [1])[0]
+        stopped = False
+        for rid in [request_id, *(f"{request_id}/{c}" for c in range(1, n))]:
+            seq = self._seqs.pop(rid, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                stopped = True
+        return stopped
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -272,21 +290,76 @@ class Engine:
             if self.has_unfinished():
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
-        logits = self.runner.run(batch, kv_ops=kv_ops)
+        copies, self._block_copies = tuple(self._block_copies), []
+        logits = self.runner.run(batch, copies, kv_ops)
         self.kv.tier_step_done(self.runner.tier_load_s)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
-        results = self.sampler(logits, done) if done else []
         for seq, n in batch:
             self.scheduler.on_computed(seq, n)
             if seq.pin_blocks > seq.num_pinned_blocks and seq.num_registered_blocks > seq.num_pinned_blocks:
                 self._pin(seq, now)
+        if any(s.num_choices > 1 and s.num_output_tokens == 0 for s in done):
+            done, logits = self._fork_choices(done, logits)
+        results = self.sampler(logits, done) if done else []
         now = time.perf_counter()
         outputs = []
         for seq, res in zip(done, results):
             outputs.append(self._fail(seq, res) if isinstance(res, Exception) else self._advance(seq, res, now))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
+                if seq.output_id in self._choices:
+                    self._choice_finished(seq.output_id)
         return outputs
+
+    # -- n > 1: one prompt, n choices ---------------------------------------------------------------------------
+
+    def _fork_choices(self, done: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Requests with ``n > 1`` whose prompt this step finished computing fork into their choices here,
+        before the first token is sampled: the prompt is computed once. Each choice shares the prompt's full
+        blocks by reference count and gets its own copy of the last partial one (copied at the start of the
+        next step, before anything writes to it: ``KVCacheManager.fork``), and samples its first token from the
+        same logits. Returns the sequences to sample (each parent followed by its new choices) and their logits
+        rows. A choice that finds no free block for its copy, or no room under ``max_num_seqs``, is queued as a
+        request of its own instead: it reuses the cached full blocks and computes only the partial tail."""
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for i, seq in enumerate(done):
+            seqs.append(seq)
+            rows.append(i)
+            if seq.num_choices == 1 or seq.num_output_tokens:
+                continue
+            for c in range(1, seq.num_choices):
+                child = self._new_choice(seq, c)
+                copies = self.kv.fork(seq, child) if self.scheduler.has_room else None
+                if copies is None:
+                    child.admitted, child.num_cached_tokens = True, seq.num_cached_tokens  # counted once
+                    self.scheduler.add(child)
+                    continue
+                self._block_copies.extend(copies)
+                self.scheduler.add_running(child)
+                seqs.append(child)
+                rows.append(i)
+        if len(rows) > len(done):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return seqs, logits
+
+    def _new_choice(self, parent: Sequence, c: int) -> Sequence:
+        """Choice ``c`` of ``parent``'s request: the same prompt and parameters, its own id in the engine and,
+        when the request is seeded, its own seed (``seed + c``), so the choices are reproducible and differ."""
+        params = parent.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + c) % 2**64)
+        child = Sequence(f"{parent.request_id}/{c}", parent.prompt_token_ids, params, parent.tenant, parent.root_key)
+        child.output_id, child.choice = parent.output_id, c
+        child.arrival_time = parent.arrival_time
+        self._seqs[child.request_id] = child
+        return child
+
+    def _choice_finished(self, request_id: str) -> None:
+        left = self._choices[request_id]
+        left[1] -= 1
+        if left[1] == 0:
+            del self._choices[request_id]
 
     def _advance(self, seq: Sequence, res: SampleResult, now: float) -> RequestOutput:
         try:

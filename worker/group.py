@@ -88,6 +88,7 @@ class RankActor:
         self._engine_thread = ThreadPoolExecutor(1, "kvgrid-engine", self._set_threads, (threads,))
         self._subs: dict[str, _Subscriber] = {}
         self._owner: dict[str, _Subscriber] = {}  # request id -> who reads its deltas
+        self._choices_left: dict[str, int] = {}  # n > 1: request id -> its choices not finished yet
         self._background: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self.step_timeout_s = 60.0
@@ -176,14 +177,16 @@ class RankActor:
         sub = self._subs[key] = _Subscriber()
         try:
             await self._submit(sub, req)
-            finished = False
-            while not finished:
+            left = req.n  # choices not finished yet
+            while left > 0:
                 if self.error is None:
                     await sub.wake.wait()
                 batch = self._take(sub)
                 if not batch and self.error is not None:  # what the last good step produced goes out first
                     raise GroupUnhealthyError(self.error)
-                finished = any(d.finished for d in batch)
+                left -= sum(1 for d in batch if d.finished)
+                if any(d.aborted or d.error is not None for d in batch):
+                    left = 0
                 yield batch
         finally:
             self._close(key, sub)
@@ -199,12 +202,22 @@ class RankActor:
         if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
         self._owner[rid] = sub  # before the engine knows it: its first delta always finds its reader
+        if req.n > 1:
+            self._choices_left[rid] = req.n
         try:
             await self._run(
-                self.engine.add_request, req.prompt, req.params, req.tenant, rid, req.pin_tokens, req.pin_ttl_s
+                self.engine.add_request,
+                req.prompt,
+                req.params,
+                req.tenant,
+                rid,
+                req.pin_tokens,
+                req.pin_ttl_s,
+                req.n,
             )
         except BaseException:
             self._owner.pop(rid, None)
+            self._choices_left.pop(rid, None)
             raise
         self._wake.set()
         return rid
@@ -222,6 +235,7 @@ class RankActor:
         orphans = [rid for rid, owner in self._owner.items() if owner is sub]
         for rid in orphans:
             del self._owner[rid]
+            self._choices_left.pop(rid, None)
         if orphans and self.error is None:
             self._spawn(self._abort_all(orphans))
 
@@ -312,12 +326,22 @@ class RankActor:
                 sub = self._owner.get(out.request_id)
                 if sub is None:  # aborted meanwhile
                     continue
-                if out.finished:
+                if out.finished and self._last_choice(out.request_id, out.finish_reason == "error"):
                     del self._owner[out.request_id]
                 sub.pending.append(Delta.of(out))
                 touched.add(sub)
             for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
                 sub.wake.set()
+
+    def _last_choice(self, request_id: str, failed: bool) -> bool:
+        """A choice of ``request_id`` finished: whether the request has ended (every one of its ``n`` choices
+        finished, or one failed: its reader stops there and aborts the others)."""
+        left = self._choices_left.get(request_id, 1) - 1
+        if left > 0 and not failed:
+            self._choices_left[request_id] = left
+            return False
+        self._choices_left.pop(request_id, None)
+        return True
 
     def mark_unhealthy(self, reason: str) -> None:
         """Fail every in-flight request; later requests are refused until the group is restarted."""
@@ -332,6 +356,7 @@ class RankActor:
         assert self.engine is not None
         done = await self._run(self.engine.abort, request_id)
         sub = self._owner.pop(request_id, None)
+        self._choices_left.pop(request_id, None)
         if done and sub is not None:
             sub.push(Delta.abort(request_id))
         return done

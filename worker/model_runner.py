@@ -29,6 +29,9 @@ class StepInputs(NamedTuple):
     seq_lens: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # rows of the batch whose logits are sampled
+    # (source, destination) KV blocks copied before the step computes: the copy-on-write of a forked
+    # sequence's last partial block (n > 1, see KVCacheManager.fork)
+    block_copies: tuple[tuple[int, int], ...] = ()
     kv_ops: TierOps | None = None  # KV tier copies, run first (offloads read blocks this step overwrites)
 
 
@@ -84,6 +87,9 @@ class ModelRunner:
         self._step_threads: int | None = None  # the thread count the engine thread was given (read at its first step)
         self.tiers: TierStore | None = None  # host RAM and disk under the KV cache (enable_kv_tiers)
         self.tier_load_s = 0.0  # what the last step's tier loads took
+        # Rank 0's engine queues a step's disk writes itself, once the step's tokens are out (Engine.step);
+        # the other ranks right after their forward pass.
+        self.defer_tier_writes = False
 
     def allocate_kv_cache(self, num_blocks: int | None, cpu_bytes: int, gpu_fraction: float) -> int:
         """Allocate the paged K/V tensors and return their block count: ``num_blocks`` if given, else what fits
@@ -160,8 +166,12 @@ class ModelRunner:
             assert self.tiers is not None
             self.tier_load_s = self.tiers.apply(self.kv_cache, inp.kv_ops)
         if not inp.input_ids:  # tier copies only
+            if self.tiers is not None:
+                self.tiers.write_pending()
             return torch.empty(0, self.mcfg.vocab_size, dtype=torch.float32)
         self.pick_threads(inp)
+        if inp.block_copies:
+            self.copy_blocks(inp.block_copies)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.run(inp)
         else:
@@ -220,11 +230,24 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, graph_batch_sizes(max_num_seqs), -(-max_model_len // self.block_size))
             self.graphs.capture()
 
-    def run(self, batch: list[ScheduledSeq], kv_ops: TierOps | None = None) -> torch.Tensor:
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy whole KV blocks (every layer, K and V) from each source to its destination."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def run(
+        self,
+        batch: list[ScheduledSeq],
+        block_copies: tuple[tuple[int, int], ...] = (),
+        kv_ops: TierOps | None = None,
+    ) -> torch.Tensor:
         """Rank 0's step: plan it, hand the plan to the other ranks, and compute its own shard (after the
         KV tier copies ``kv_ops``)."""
         self.tier_load_s = 0.0
         inp = self.prepare(batch) if batch else StepInputs([], [], [], [0], [], [], [])
+        if block_copies:
+            inp = inp._replace(block_copies=block_copies)
         if kv_ops:
             inp = inp._replace(kv_ops=kv_ops)
         send_plan(inp)

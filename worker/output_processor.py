@@ -135,7 +135,8 @@ class OutputProcessor:
         new, seq.num_emitted_tokens = out_ids[seq.num_emitted_tokens :], len(out_ids)
         want_lp = seq.params.logprobs is not None
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.output_id,
+            index=seq.choice,
             tenant=seq.tenant,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=out_ids,
@@ -155,7 +156,8 @@ class OutputProcessor:
     def failed(self, seq: Sequence) -> RequestOutput:
         """The final output of a request the engine failed alone (``seq.error`` says why)."""
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.output_id,
+            index=seq.choice,
             tenant=seq.tenant,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.token_ids[seq.num_prompt_tokens :],

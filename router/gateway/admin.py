@@ -100,6 +100,7 @@ _GAUGES = [  # (name, help, EngineStats field)
     ("kvgrid_group_free_blocks", "Free KV blocks", "blocks_free"),
     ("kvgrid_group_cached_blocks", "Cached (evictable) KV blocks", "blocks_cached"),
     ("kvgrid_group_pinned_blocks", "Pinned KV blocks", "blocks_pinned"),
+    ("kvgrid_group_computed_tokens", "Tokens the group's model has computed, prefill and decode", "computed_tokens"),
     # KV tiers (worker/kv_tiers.py): blocks held in host RAM and on disk, blocks hit there, and what loading cost.
     ("kvgrid_group_host_blocks", "KV blocks held in host RAM", "host_blocks"),
     ("kvgrid_group_disk_blocks", "KV blocks held on disk", "disk_blocks"),

@@ -25,6 +25,7 @@ from router.gateway.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
+    CountTokensBody,
     MessageDelta,
     MessagesRequest,
     MessageStart,
@@ -32,6 +33,7 @@ from router.gateway.protocol import (
     StopInfo,
     TextBlock,
     TextDelta,
+    TokenCount,
     anthropic_event,
 )
 from router.gateway.routes import Routes
@@ -61,6 +63,18 @@ class AnthropicApi:
     async def messages(self, tenant: str, request: Request):
         t = self.gw.auth(tenant, request, API)
         return await self.gw.held(t, API, self._messages(t, request))
+
+    @routes.post("/{tenant}/v1/messages/count_tokens")
+    async def count_tokens(self, tenant: str, request: Request):
+        """The prompt tokens a messages request with this body would have (system, tools, messages and any
+        cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``."""
+        t = self.gw.auth(tenant, request, API)
+        gw = self.gw
+        body: CountTokensBody = await gw.body(request, CountTokensBody, API)
+        gw.check_model(body.model, API)
+        prefix, _ = await gw.cached_prefix(t, body.cached_content, API)
+        chat, _ = self._prompt(t, body)
+        return TokenCount(input_tokens=len(prefix) + len(chat.token_ids))
 
     async def _messages(self, t: Tenant, request: Request):
         gw = self.gw

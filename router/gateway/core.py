@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayError
 from common.config import ServeConfig, TenantConfig
 from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
-from common.outputs import RequestOutput
+from common.outputs import RequestOutput, merge_choices
 from common.protocol import GroupClient, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
@@ -651,7 +651,7 @@ class Gateway:
     # -- routing and running -----------------------------------------------------------------------------------
 
     async def _route(
-        self, t: Tenant, prompt: list[int], attempt: str, failed: list[str], api: str
+        self, t: Tenant, prompt: list[int], attempt: str, failed: list[str], api: str, cache_key: str | None = None
     ) -> tuple[RouterHandle, RouteDecision]:
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
@@ -677,7 +677,7 @@ class Gateway:
         def ask() -> None:
             nonlocal asked
             timeout_s = ROUTE_TIMEOUT_S if asked < n - 1 else LAST_ROUTE_TIMEOUT_S
-            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed)
+            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed, cache_key)
             pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
             asked += 1
 
@@ -746,6 +746,8 @@ class Gateway:
         pin_ttl_s: float,
         account: Account,
         restartable: bool = False,
+        n: int = 1,
+        cache_key: str | None = None,
     ) -> Run:
         """Route and run one request; yields (output, tokens the router expected cached). However it ends
         (finished, failed, or the client went away), ``account(last output, predicted)`` records its usage
@@ -754,7 +756,12 @@ class Gateway:
         A group that fails (or is silent and unhealthy, see ``_outputs``) is reported to the routers (which route
         nothing more to it) and the request is retried on another group, as long as nothing has been yielded
         yet, or at any point when ``restartable`` (the caller keeps only the last output). A request the
-        engine failed alone answers 500; its group keeps serving."""
+        engine failed alone answers 500; its group keeps serving.
+
+        ``n`` > 1: the prompt's ``n`` choices, computed once on one group; their outputs come interleaved (each
+        with its ``index``) until every choice has finished, and ``account`` gets them merged (the prompt once,
+        the completion tokens of all). ``cache_key`` (OpenAI's ``prompt_cache_key``) is routed by
+        (``Router.route``)."""
         failed: list[str] = []
         rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         timing = RequestTiming(time.monotonic())  # latencies as the client sees them, retries included
@@ -763,14 +770,19 @@ class Gateway:
             router: RouterHandle | None = None
             decision: RouteDecision | None = None
             out: RequestOutput | None = None
+            lasts: dict[int, RequestOutput] = {}  # n > 1: each choice's latest output
             yielded = finished = False
             try:
-                router, decision = await self._route(t, prompt, attempt, failed, api)
-                req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s)
+                router, decision = await self._route(t, prompt, attempt, failed, api, cache_key)
+                req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s, n)
+                left = n
                 async for out in _outputs(self._client(decision), req, api):
-                    if not finished and len(out.token_ids) == len(out.new_token_ids):
+                    if not yielded and len(out.token_ids) == len(out.new_token_ids):
                         router.on_prefill_done.remote(attempt)
-                    finished = out.finished
+                    if n > 1:
+                        lasts[out.index] = out
+                    left -= out.finished
+                    finished = left == 0
                     yielded = True
                     timing.tick(time.monotonic(), len(out.new_token_ids))
                     yield out, decision.cached_tokens
@@ -789,7 +801,7 @@ class Gateway:
                 if router is not None:
                     router.on_finish.remote(attempt)  # also when the client left during routing
                 if out is not None and decision is not None:  # an output came from the routed group
-                    account(out, decision.cached_tokens)
+                    account(merge_choices(list(lasts.values())) if lasts else out, decision.cached_tokens)
                 if finished and account is not no_account:  # internal requests are not the tenant's latency
                     timing.finish(time.monotonic())
                     t.metrics.observe(timing)

@@ -12,17 +12,19 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from common.outputs import RequestOutput
-from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
+from common.outputs import RequestOutput, merge_choices
+from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, primed, watched
 from router.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatDelta,
+    ChatLogprobs,
     ChatRequest,
     CompletionChoice,
     CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     OpenAIChunk,
     OpenAIModel,
@@ -31,19 +33,81 @@ from router.gateway.protocol import (
     OpenAIStreamErrorDetail,
     OpenAIUsage,
     TextCompletion,
+    TokenLogprob,
+    TopLogprob,
 )
 from router.gateway.routes import Routes
 
 API = "openai"
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_PIN_TTL_S = 300.0  # how long the part of a prompt that is a cached content stays pinned, at least
+PROMPT_CACHE_24H_S = 24 * 3600.0  # prompt_cache_retention "24h"
+LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf (or NaN) is reported as: JSON has no infinity
 
 routes = Routes()  # bound to one OpenAIApi by create_app
+
+
+def _finite(lp: float) -> float:
+    return lp if lp > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _byte_chars() -> dict[int, str]:
+    """The byte-level BPE alphabet (GPT-2's): byte -> the printable character a token's text uses for it.
+    Printable Latin-1 bytes stand for themselves; the others map to code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """A token id's text and exact UTF-8 bytes, as the logprobs of the OpenAI APIs show them (memoized). With a
+    byte-level BPE tokenizer the bytes are the token's own, also when it holds only part of a character (its text
+    then shows U+FFFD); special and added tokens are their content."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.unbyte = {c: b for b, c in _byte_chars().items()}
+        self.added = set(tokenizer.get_added_vocab().values())
+        self._memo: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._memo.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self.byte_level and token_id not in self.added and all(ch in self.unbyte for ch in piece):
+            raw = bytes(self.unbyte[ch] for ch in piece)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        hit = self._memo[token_id] = (raw.decode("utf-8", "replace"), list(raw))
+        return hit
+
+
+async def finals(run: Run) -> list[RequestOutput]:
+    """The last output of each of a request's choices, in index order."""
+    lasts: dict[int, RequestOutput] = {}
+    async for out, _ in run:
+        lasts[out.index] = out
+    return [lasts[i] for i in sorted(lasts)]
 
 
 class OpenAIApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self._token_texts: TokenTexts | None = None
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.gw.tokenizer)
+        return self._token_texts
 
     @routes.get("/{tenant}/v1/models")
     async def models(self, tenant: str, request: Request):
@@ -58,8 +122,9 @@ class OpenAIApi:
     async def _read(self, request: Request, model: type[ChatRequest] | type[CompletionRequest]):
         body = await self.gw.body(request, model, API)
         self.gw.check_model(body.model, API)
-        if body.n != 1:
-            raise err(400, "n must be 1", API)
+        refused = body.unsupported()
+        if refused is not None:
+            raise err(400, refused, API)
         return body
 
     async def _chat_completions(self, t: Tenant, request: Request):
@@ -98,38 +163,117 @@ class OpenAIApi:
     ):
         """Run a chat or text completion and answer it, streamed or whole."""
         gw = self.gw
-        await gw.admit(t, prompt, max_tokens, API)
+        await gw.admit(t, prompt, max_tokens * body.n, API)
         params = gw.params(
             max_tokens, body.temperature, body.top_p, body.stop, body.seed, API, ignore_eos=body.ignore_eos
         )
+        params.logprobs = self._logprobs_asked(body)  # bounded by the request model (at most MAX_LOGPROBS)
+        if body.prompt_cache_retention == "24h":  # the prompt's blocks stay pinned, within the tenant's pin limits
+            pin, ttl = len(prompt), max(ttl, PROMPT_CACHE_24H_S)
 
         def account(out: RequestOutput, predicted: int) -> None:
             gw.account(t, out, predicted, gw.reported_cached(t, out.num_cached_tokens))
 
-        run = gw.generate(t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, not body.stream)
+        run = gw.generate(
+            t,
+            prompt,
+            params,
+            API,
+            pin,
+            ttl or DEFAULT_PIN_TTL_S,
+            account,
+            not body.stream,
+            n=body.n,
+            cache_key=body.prompt_cache_key,
+        )
         run = watched(request, run, API)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time())
         if body.stream:
             usage_wanted = body.stream_options is not None and body.stream_options.include_usage
             run = await primed(run)  # errors before the first token still get their HTTP status
-            return SlotStream(self._stream(t, run, rid, created, usage_wanted, chat))
-        out, _ = await last(run)
-        usage = self._usage(t, out)
+            return SlotStream(self._stream(t, run, rid, created, usage_wanted, chat, body.n))
+        outs = await finals(run)
+        usage = self._usage(t, merge_choices(outs))
         if chat:
             return ChatCompletion(
                 id=rid,
                 created=created,
                 model=gw.model_id,
                 usage=usage,
-                choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+                choices=[
+                    ChatChoice(
+                        index=out.index,
+                        message=AssistantMessage(content=out.text),
+                        finish_reason=out.finish_reason,
+                        logprobs=self._chat_logprobs(out, len(out.token_ids)),
+                    )
+                    for out in outs
+                ],
             )
         return TextCompletion(
             id=rid,
             created=created,
             model=gw.model_id,
             usage=usage,
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+            choices=[
+                CompletionChoice(
+                    index=out.index,
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                    logprobs=self._completion_logprobs(out, len(out.token_ids), 0),
+                )
+                for out in outs
+            ],
         )
+
+    @staticmethod
+    def _logprobs_asked(body: ChatRequest | CompletionRequest) -> int | None:
+        """The engine's ``SamplingParams.logprobs``: None (none), 0 (the chosen tokens') or how many of the
+        most likely alternatives per token."""
+        if isinstance(body, ChatRequest):
+            return (body.top_logprobs or 0) if body.logprobs else None
+        return body.logprobs
+
+    def _chat_logprobs(self, out: RequestOutput, num_new: int) -> ChatLogprobs | None:
+        """The chat shape of the logprobs of ``out``'s last ``num_new`` tokens (None when not asked for)."""
+        if out.logprobs is None:
+            return None
+        texts, start = self.token_texts, len(out.token_ids) - num_new
+        tops = out.top_logprobs or []
+        content = []
+        for i in range(start, len(out.token_ids)):
+            token, raw = texts(out.token_ids[i])
+            alts = sorted(tops[i].items(), key=lambda kv: -kv[1]) if i < len(tops) else []
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=_finite(out.logprobs[i]),
+                    bytes=raw,
+                    top_logprobs=[
+                        TopLogprob(token=(alt := texts(tid))[0], logprob=_finite(lp), bytes=alt[1]) for tid, lp in alts
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, out: RequestOutput, num_new: int, offset: int) -> CompletionLogprobs | None:
+        """The legacy completions shape of the logprobs of ``out``'s last ``num_new`` tokens, their text offsets
+        counted from ``offset`` (None when not asked for)."""
+        if out.logprobs is None:
+            return None
+        texts, start = self.token_texts, len(out.token_ids) - num_new
+        tops = out.top_logprobs or []
+        lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for i in range(start, len(out.token_ids)):
+            token = texts(out.token_ids[i])[0]
+            lp.tokens.append(token)
+            lp.token_logprobs.append(_finite(out.logprobs[i]))
+            top = {texts(tid)[0]: _finite(v) for tid, v in (tops[i].items() if i < len(tops) else ())}
+            top[token] = _finite(out.logprobs[i])  # the chosen token is always among them, as in OpenAI's API
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return lp
 
     def _usage(self, t: Tenant, out: RequestOutput) -> OpenAIUsage:
         """The request's usage, its cached tokens as the tenant's policy reports them."""
@@ -138,7 +282,7 @@ class OpenAIApi:
         )
 
     async def _stream(
-        self, t: Tenant, run: Run, rid: str, created: int, usage_wanted: bool, chat: bool
+        self, t: Tenant, run: Run, rid: str, created: int, usage_wanted: bool, chat: bool, n: int = 1
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -154,18 +298,37 @@ class OpenAIApi:
 
         try:
             if chat:
-                yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))
-            out = None
-            async for out, _ in run:
-                if out.delta_text or out.finished:
-                    reason = out.finish_reason
+                for i in range(n):
                     yield chunk(
-                        ChatChunkChoice(delta=ChatDelta(content=out.delta_text), finish_reason=reason)
-                        if chat
-                        else CompletionChunkChoice(text=out.delta_text, finish_reason=reason)
+                        ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), finish_reason=None)
                     )
-            if out is not None and usage_wanted:
-                yield chunk(None, self._usage(t, out))
+            lasts: dict[int, RequestOutput] = {}
+            offsets = [0] * n  # completions: text offset of each choice's next token
+            async for out, _ in run:
+                lasts[out.index] = out
+                new = len(out.new_token_ids) if out.logprobs is not None else 0
+                if out.delta_text or out.finished or new:
+                    reason = out.finish_reason
+                    if chat:
+                        yield chunk(
+                            ChatChunkChoice(
+                                index=out.index,
+                                delta=ChatDelta(content=out.delta_text),
+                                finish_reason=reason,
+                                logprobs=self._chat_logprobs(out, new) if new else None,
+                            )
+                        )
+                    else:
+                        lp = self._completion_logprobs(out, new, offsets[out.index]) if new else None
+                        if lp is not None and lp.tokens:
+                            offsets[out.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                        yield chunk(
+                            CompletionChunkChoice(
+                                index=out.index, text=out.delta_text, finish_reason=reason, logprobs=lp
+                            )
+                        )
+            if lasts and usage_wanted:
+                yield chunk(None, self._usage(t, merge_choices(list(lasts.values()))))
         except ApiError as exc:
             yield OpenAIStreamError(error=OpenAIStreamErrorDetail(message=exc.message, type=exc.kind)).sse()
         yield "data: [DONE]\n\n"

@@ -41,6 +41,7 @@ MAX_OUTPUT_TOKENS = 2**24  # far above any context; the gateway then checks the 
 MAX_PROMPT_IDS = 2**20
 MAX_TOOLS = 128
 MAX_LOGIT_BIAS = 300
+MAX_CACHE_KEY_CHARS = 1024
 INT64 = 2**63
 
 
@@ -152,19 +153,44 @@ class _OpenAIRequest(_Body):
     stream_options: StreamOptions | None = None
     cached_content: Name | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
-    # Validated only: the engine does not apply these.
+    # Declared so that a value the engine does not apply is refused by name (``unsupported``), never ignored.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Name | None = None
+    # Requests of a tenant with the same key go to the same worker group (router/routing/router.py key_group).
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY_CHARS)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: the prompt is pinned for 24 h
+
+    def unsupported(self) -> str | None:
+        """The 400 message for the first field set to something the engine does not do, naming it (None when
+        everything asked for is honoured)."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                return f"{name}: penalties are not supported by this server (omit it or send 0)"
+        if self.logit_bias:
+            return "logit_bias: not supported by this server (omit it or send {})"
+        return None
 
 
 class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    logprobs: bool | None = None  # validated only
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Declared so that they are refused by name: the served model reads and writes text only.
+    audio: dict[str, Any] | None = None
+    modalities: list[Annotated[str, Field(max_length=32)]] | None = Field(None, max_length=8)
+
+    def unsupported(self) -> str | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs: requires logprobs to be true"
+        if self.audio is not None:
+            return "audio: audio output is not supported by this server"
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            return "modalities: only 'text' is supported by this server"
+        return super().unsupported()
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -173,7 +199,20 @@ class CompletionRequest(_OpenAIRequest):
 
     prompt: Prompt
     max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
-    logprobs: int | None = Field(None, ge=0, le=5)  # validated only
+    logprobs: int | None = Field(None, ge=0, le=5)
+    # Declared so that they are refused by name.
+    echo: bool = False
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo: not supported by this server"
+        if self.suffix:
+            return "suffix: not supported by this server"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of: only best_of equal to n is supported by this server"
+        return super().unsupported()
 
 
 class CacheControl(_Body):
@@ -223,6 +262,12 @@ class MessagesRequest(_Body):
     stream: bool = False
     cached_content: Name | None = None
     metadata: AnthropicMetadata | None = None
+
+
+class CountTokensBody(MessagesRequest):
+    """``/v1/messages/count_tokens``: a messages body without ``max_tokens`` (sampling fields are ignored)."""
+
+    max_tokens: int = Field(1, ge=1, le=MAX_OUTPUT_TOKENS)
 
 
 class GeminiPart(_Body):
@@ -327,18 +372,49 @@ class AssistantMessage(_Reply):
     content: str
 
 
+class TopLogprob(_Reply):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Reply):
+    """One output token of a chat completion: its text, log-probability, UTF-8 bytes and the most likely
+    alternatives at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Reply):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(_Reply):
+    """The legacy completions shape: parallel lists over the output tokens; each ``top_logprobs`` entry maps
+    the most likely tokens (and the chosen one) to their log-probabilities."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(_Reply):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionChoice(_Reply):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class ChatCompletion(_Reply):
@@ -365,16 +441,20 @@ class ChatDelta(_OmitNone):
     content: str
 
 
-class ChatChunkChoice(_Reply):
+class ChatChunkChoice(_OmitNone):
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"logprobs"})
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None
+    logprobs: ChatLogprobs | None = None  # of this chunk's tokens, when asked for
 
 
-class CompletionChunkChoice(_Reply):
+class CompletionChunkChoice(_OmitNone):
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"logprobs"})
     index: int = 0
     text: str
     finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
 
 
 class OpenAIChunk(_OmitNone):
@@ -436,6 +516,12 @@ class AnthropicMessageReply(_Reply):
     stop_reason: str | None
     stop_sequence: str | None
     usage: AnthropicUsage
+
+
+class TokenCount(_Reply):
+    """The reply of Anthropic's ``count_tokens``."""
+
+    input_tokens: int
 
 
 class AnthropicErrorDetail(_Reply):

@@ -3,6 +3,7 @@ one with the policy, and keep per-group load. Exact, because the workers publish
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import secrets
@@ -18,6 +19,10 @@ from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
 from router.routing.index import PrefixIndex, TierMatch, clear_bit
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
+
+# A prompt_cache_key's group whose queued prefill is this far above the least queued group's is overloaded: the
+# request goes where the policy sends it (about a second of prefill on a CPU group).
+CACHE_KEY_OVERLOAD_TOKENS = 16384
 
 
 @dataclass
@@ -60,8 +65,10 @@ class Router:
         tenant_shares: dict[str, float] | None = None,
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cache_key_overload_tokens: int = CACHE_KEY_OVERLOAD_TOKENS,
     ) -> None:
         self.block_size = block_size
+        self.cache_key_overload_tokens = cache_key_overload_tokens
         self.hash_algo = hash_algo
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.index = PrefixIndex()
@@ -155,21 +162,34 @@ class Router:
         return self.index.match_tiers(chunks, self._predicted)
 
     def route(
-        self, tenant: str, token_ids: Sequence[int], request_id: str | None = None, exclude: Collection[str] = ()
+        self,
+        tenant: str,
+        token_ids: Sequence[int],
+        request_id: str | None = None,
+        exclude: Collection[str] = (),
+        cache_key: str | None = None,
     ) -> RouteDecision:
         """Pick a group for this tenant's prompt (never a paused one, nor one in ``exclude``). Keys are hashed
-        lazily: a prompt whose leading blocks no group holds costs a few hashes, not one per block."""
+        lazily: a prompt whose leading blocks no group holds costs a few hashes, not one per block. A
+        ``cache_key`` (OpenAI's ``prompt_cache_key``) sends the request to its key's group whatever its blocks,
+        unless that group is overloaded (``key_group``)."""
         self.poll_events()
         root = self.root_key(tenant)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        return self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant)
+        return self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
         return self._route(_Tee(iter([keys])), num_tokens, request_id, (), "")
 
     def _route(
-        self, keys: _Tee, num_tokens: int, request_id: str | None, exclude: Collection[str], tenant: str
+        self,
+        keys: _Tee,
+        num_tokens: int,
+        request_id: str | None,
+        exclude: Collection[str],
+        tenant: str,
+        cache_key: str | None = None,
     ) -> RouteDecision:
         open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
         if not open_groups:
@@ -196,13 +216,31 @@ class Router:
                         f"every worker group has {limit} or more prefill tokens queued and this "
                         f"tenant has its share ({share}) of them"
                     )
-        group = self.policy.choose(req, open_groups)
+        group = self.key_group(tenant, cache_key, open_groups) if cache_key is not None else None
+        if group is None:
+            group = self.policy.choose(req, open_groups)
         gpu, host, disk = req.tier_tokens(group)
         hit = gpu + host + disk
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
         f = self._start(rid, group, num_tokens - hit, tenant)
         f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk)
+
+    def key_group(self, tenant: str, cache_key: str, groups: dict[str, GroupLoad]) -> str | None:
+        """The group of ``groups`` that a tenant's ``cache_key`` maps to, or None when that group is overloaded
+        (its queued prefill more than ``cache_key_overload_tokens`` above the least queued group's; the policy
+        then chooses). The map is rendezvous hashing of (tenant, key) over the groups: the same in every router
+        replica and after restarts without any shared state, different keys spread evenly over the groups, and
+        a group that joins or leaves moves only the keys that map to it."""
+
+        def weight(group: str) -> bytes:
+            return hashlib.blake2b(f"{tenant}\0{cache_key}\0{group}".encode(), digest_size=8).digest()
+
+        group = max(groups, key=weight)
+        least = min(load.queued_prefill_tokens for load in groups.values())
+        if groups[group].queued_prefill_tokens > least + self.cache_key_overload_tokens:
+            return None
+        return group
 
     # -- load bookkeeping -------------------------------------------------------------------------------------
 

@@ -138,11 +138,16 @@ class RouterService:
         return len(batch)
 
     async def route(
-        self, tenant: str, token_ids: Sequence[int], request_id: str | None = None, exclude: Sequence[str] = ()
+        self,
+        tenant: str,
+        token_ids: Sequence[int],
+        request_id: str | None = None,
+        exclude: Sequence[str] = (),
+        cache_key: str | None = None,
     ) -> RouteDecision:
         """A group for the request, with its leader's handle (groups come and go: callers keep no list)."""
         self._ensure_poller()
-        decision = self.router.route(tenant, token_ids, request_id, exclude)
+        decision = self.router.route(tenant, token_ids, request_id, exclude, cache_key)
         decision.leader = self.leaders[decision.group]
         return decision
 

@@ -1,0 +1,142 @@
+"""n > 1: one prefill, then n choices that share the prompt's blocks by reference count (the last partial block
+copied on write), each exactly what a request of its own would compute; the prompt counted once."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from harness import ADMIN_KEY, oa
+from worker.engine import Engine, EngineConfig
+
+TOL = 1e-4
+
+
+def engine(demo_path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(demo_path), device="cpu", num_blocks=kw.pop("num_blocks", 256), **kw))
+
+
+def run(e: Engine, prompt: list[int], params: SamplingParams, n: int) -> list:
+    """Every choice's final output, by index, and check they all carry the request's id."""
+    rid = e.add_request(prompt, params, n=n)
+    final = {}
+    while e.has_unfinished():
+        for out in e.step():
+            assert out.request_id == rid
+            if out.finished:
+                assert out.index not in final
+                final[out.index] = out
+    assert sorted(final) == list(range(n))
+    return [final[i] for i in range(n)]
+
+
+@pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block (copied on write), and none
+def test_n4_computes_the_prompt_once_and_shares_its_blocks(demo_path, prompt_len):
+    e = engine(demo_path)
+    prompt = list(range(200, 200 + prompt_len))
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    before = e.stats().computed_tokens
+    rid = e.add_request(prompt, params, n=4)
+    outs = e.step()  # the prefill: the prompt once, then four first tokens
+    assert [o.index for o in outs] == [0, 1, 2, 3] and all(o.request_id == rid for o in outs)
+    assert e.stats().computed_tokens - before == prompt_len
+    full, partial = divmod(prompt_len, 16)
+    assert e.stats().blocks_used == full + (4 if partial else 0)  # full blocks shared, the partial one x4
+    while e.has_unfinished():
+        e.step()
+    # Each choice then computed its own 7 decode tokens (its 8th is sampled, never computed).
+    assert e.stats().computed_tokens - before == prompt_len + 4 * 7
+    assert e.stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 2])  # forked in place; or queued as requests of their own
+def test_greedy_choices_equal_a_single_request_token_for_token(demo_path, max_num_seqs):
+    e = engine(demo_path, max_num_seqs=max_num_seqs)
+    for prompt in (list(range(500, 537)), list(range(700, 732)), [9]):
+        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True)
+        (alone,) = e.generate([prompt], params)
+        e.reset_prefix_cache()
+        for out in run(e, prompt, params, 3):
+            assert out.token_ids == alone.token_ids
+            assert out.logprobs == pytest.approx(alone.logprobs, abs=TOL)
+            assert out.num_cached_tokens == 0  # the prompt is reused from the fork, not counted as a hit
+        e.reset_prefix_cache()
+
+
+def test_seeded_choices_are_reproducible_differ_and_match_transformers(demo_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(demo_path), dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = list(range(900, 941))  # 2 full blocks and a partial one
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=123, logprobs=0, ignore_eos=True)
+    e = engine(demo_path)
+    first = run(e, prompt, params, 4)
+    again = run(engine(demo_path), prompt, params, 4)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert len({tuple(o.token_ids) for o in first}) == 4
+    (alone,) = e.generate([prompt], params)  # choice 0 is the request with the same seed
+    assert first[0].token_ids == alone.token_ids
+    for out in first:  # each choice's K/V is its own: its logprobs are transformers' on its own prefix
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1 :].float(), -1)
+        assert out.logprobs == pytest.approx([float(ref[i, t]) for i, t in enumerate(out.token_ids)], abs=TOL)
+
+
+def test_abort_stops_every_choice_and_frees_their_blocks(demo_path):
+    e = engine(demo_path)
+    rid = e.add_request(list(range(50, 90)), SamplingParams(max_tokens=50, ignore_eos=True), n=5)
+    e.step()
+    e.step()
+    assert e.stats().running == 5
+    assert e.abort(rid)
+    assert not e.has_unfinished() and e.stats().blocks_used == 0
+    assert not e.abort(rid)
+    with pytest.raises(ValueError, match="n must be"):
+        e.add_request([1, 2], n=0)
+
+
+def test_openai_n_choices_over_one_prefill(shared_server):
+    client = oa(shared_server)
+    nonce = secrets.token_hex(8)  # a prompt no group has cached: all of it is computed
+    messages = [{"role": "user", "content": f"{nonce} Tell four short stories about the lighthouse keeper's cat."}]
+    kw = dict(model="demo", messages=messages, max_tokens=12, temperature=1.0, seed=77)
+
+    def computed() -> int:
+        r = httpx.get(
+            f"{shared_server.base}/admin/v1/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
+        )
+        r.raise_for_status()
+        lines = [ln for ln in r.text.splitlines() if ln.startswith("kvgrid_group_computed_tokens")]
+        assert lines
+        return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in lines))
+
+    before = computed()
+    four = client.chat.completions.create(n=4, logprobs=True, **kw)
+    after = computed()
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert four.usage.prompt_tokens_details.cached_tokens == 0
+    # The engine's computed-token counter: the prompt once, then each choice's decodes (its last token is sampled,
+    # never computed).
+    assert after - before == four.usage.prompt_tokens + four.usage.completion_tokens - 4
+    one = client.chat.completions.create(**kw)
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens  # counted once
+    assert four.usage.completion_tokens == sum(len(c.logprobs.content) for c in four.choices)
+    assert four.choices[0].message.content == one.choices[0].message.content  # choice 0: the same seed
+    assert len({c.message.content for c in four.choices}) == 4
+    again = client.chat.completions.create(n=4, **kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in four.choices]
+    # Streamed: chunks of every choice, by index, add up to the same texts; usage counts the prompt once.
+    texts = ["", "", "", ""]
+    usage = None
+    for chunk in client.chat.completions.create(n=4, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in four.choices]
+    assert usage is not None and usage.prompt_tokens == one.usage.prompt_tokens
+    assert usage.completion_tokens == four.usage.completion_tokens
