@@ -14,6 +14,7 @@ import pytest
 
 from common.event_stream import RedisStreamSink, RedisStreamSubscription, stream_name
 from common.events import AllCleared, BlockRemoved, BlockStored, Tier, snapshot_events
+from common.sampling import SamplingParams
 from router.routing.index import PrefixIndex, TierMatch
 from router.routing.policy import CacheAwarePolicy, GroupLoad, RouteRequest, load_weight
 from router.routing.router import Router
@@ -227,3 +228,34 @@ def test_replay_command_takes_the_tier_flags(tmp_path):
     assert r["hit_ratio_by_tier"]["host"] > 0
     out = subprocess.run([*base, "--host-capacity-tokens", "-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "capacities must be >= 0" in out.stderr
+
+
+def test_an_engine_with_a_host_tier_tells_routers_where_its_blocks_went(redis_client, demo_path):
+    """The worker's tier events through a real Redis stream: after the GPU pool evicted a prompt into host RAM, a
+    router replica (and a late one, from the stream's start or a snapshot) knows it is a host hit on that group,
+    and routes the prompt there rather than to an empty group."""
+    from worker.engine import Engine, EngineConfig
+    from worker.kv_tiers import KVTiersConfig
+
+    sink = RedisStreamSink(redis_client, "g0")
+    cfg = EngineConfig(
+        model=str(demo_path), device="cpu", num_blocks=40, secret=SECRET, kv_tiers=KVTiersConfig(host_bytes=16 << 20)
+    )
+    engine = Engine(cfg, event_sink=sink)
+    rng = random.Random(15)
+    first = [rng.randrange(5, 4000) for _ in range(100)]  # 6 full blocks of 16
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate([first], params, tenant="acme")
+    for _ in range(8):  # 8 x 7 blocks through a pool of 40: the first prompt's blocks leave the GPU pool
+        engine.generate([[rng.randrange(5, 4000) for _ in range(100)]], params, tenant="acme")
+    assert sink.flush(10)
+    router = Router(["g0", "g1"], SECRET, events=RedisStreamSubscription(redis_client, ["g0", "g1"]))
+    router.poll_events()
+    keys = router.keys_for("acme", first)
+    held = router.index.match_tiers([keys])
+    assert held["g0"].blocks == 6 and held["g0"].host > 0, held
+    d = router.route("acme", first)
+    assert d.group == "g0" and d.cached_tokens == 96 and d.host_tokens > 0
+    sink.close()
+    group = router.index.tier_counts()["g0"]
+    assert group["host"] > 0 and group["gpu"] > 0
