@@ -3,9 +3,9 @@ response bodies and stream chunks, as pydantic models.
 
 Every field kvgrid reads is type-checked strictly (no string-to-number or number-to-string coercion, no NaN or
 infinity) and bounded, so a malformed body is answered 400 with the failing field's location, never a crash later
-on. Unknown fields are ignored, as the hosted APIs do for fields they add over time; a few common sampling fields
-the engine does not apply (penalties, ``logit_bias``, ``logprobs``) are declared only so that a malformed value
-still fails clearly. Content parts other than text (images, tool calls and results) are refused: the served model
+on. Unknown fields are ignored, as the hosted APIs do for fields they add over time; a few common fields the
+engine does not apply (penalties, ``logit_bias``, ``audio``, ``modalities``, ``echo``, ...) are declared so that
+a request setting them is refused by name (``unsupported``) instead of being silently ignored. Content parts other than text (images, tool calls and results) are refused: the served model
 reads text only.
 
 String message content is normalised to a one-element list of text parts, so the gateway reads one shape."""
