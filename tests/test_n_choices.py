@@ -53,18 +53,34 @@ def test_n4_computes_the_prompt_once_and_shares_its_blocks(demo_path, prompt_len
     assert e.stats().blocks_used == 0
 
 
-@pytest.mark.parametrize("max_num_seqs", [256, 2])  # forked in place; or queued as requests of their own
-def test_greedy_choices_equal_a_single_request_token_for_token(demo_path, max_num_seqs):
-    e = engine(demo_path, max_num_seqs=max_num_seqs)
-    for prompt in (list(range(500, 537)), list(range(700, 732)), [9]):
-        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True)
-        (alone,) = e.generate([prompt], params)
+@pytest.fixture(scope="module")
+def shared_engine(demo_path) -> Engine:
+    return engine(demo_path)
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_num_seqs",
+    [(37, 256), (32, 256), (37, 2)],  # partial last block or none; forked in place, or queued as requests of their own
+)
+def test_greedy_choices_equal_a_single_request_token_for_token(shared_engine, prompt_len, max_num_seqs):
+    e = shared_engine
+    prompt = list(range(500 + prompt_len, 500 + 2 * prompt_len))
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+    (alone,) = e.generate([prompt], params)
+    assert e.reset_prefix_cache()
+    e.scheduler.max_num_seqs = max_num_seqs
+    try:
+        outs = run(e, prompt, params, 3)
+    finally:
+        e.scheduler.max_num_seqs = 256
         e.reset_prefix_cache()
-        for out in run(e, prompt, params, 3):
-            assert out.token_ids == alone.token_ids
-            assert out.logprobs == pytest.approx(alone.logprobs, abs=TOL)
-            assert out.num_cached_tokens == 0  # the prompt is reused from the fork, not counted as a hit
-        e.reset_prefix_cache()
+    for out in outs:
+        assert out.token_ids == alone.token_ids
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=TOL)
+        assert out.top_logprobs is not None and [sorted(t) for t in out.top_logprobs] == [
+            sorted(t) for t in alone.top_logprobs
+        ]
+        assert out.num_cached_tokens == 0  # the prompt is reused from the fork, not counted as a hit
 
 
 def test_seeded_choices_are_reproducible_differ_and_match_transformers(demo_path):
