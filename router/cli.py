@@ -62,6 +62,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from worker import bench
 
+    if args.grammar:
+        bench.run_grammar(
+            model=args.model,
+            batches=tuple(args.batch),
+            decode_steps=args.decode_steps,
+            repeats=args.repeats,
+            device=args.device,
+            as_json=args.json,
+            cuda_graphs=args.cuda_graphs,
+        )
+        return 0
     bench.run(
         model=args.model,
         prompt_len=args.prompt_len,
@@ -379,6 +390,11 @@ def _add_bench_engine(bsub) -> None:
         dest="cuda_graphs",
         action="store_false",
         help="run decode steps eagerly on CUDA (to compare with the captured graphs)",
+    )
+    e.add_argument(
+        "--grammar",
+        action="store_true",
+        help="instead: decode tokens/s without and with a JSON-schema constraint on every sequence (--batch sizes)",
     )
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)

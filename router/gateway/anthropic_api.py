@@ -22,10 +22,12 @@ from router.gateway.protocol import (
     AnthropicMessageReply,
     AnthropicUsage,
     CacheControl,
+    ContentBlock,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
     CountTokensBody,
+    InputJsonDelta,
     MessageDelta,
     MessagesRequest,
     MessageStart,
@@ -34,9 +36,13 @@ from router.gateway.protocol import (
     TextBlock,
     TextDelta,
     TokenCount,
+    ToolResultBlockIn,
+    ToolUseBlock,
+    ToolUseBlockIn,
     anthropic_event,
 )
 from router.gateway.routes import Routes
+from router.gateway.tools import CallStream, Tooling, anthropic_tooling, parse_calls
 
 API = "anthropic"
 MAX_BREAKPOINTS = 4
@@ -81,7 +87,8 @@ class AnthropicApi:
         body: MessagesRequest = await gw.body(request, MessagesRequest, API)
         gw.check_model(body.model, API)
         prefix, cc_ttl = await gw.cached_prefix(t, body.cached_content, API)
-        chat, marks = self._prompt(t, body)
+        tooling = self._tooling(body)
+        chat, marks = self._prompt(t, body, tooling)
         prompt = prefix + chat.token_ids
         await gw.admit(t, prompt, body.max_tokens, API)
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
@@ -103,7 +110,16 @@ class AnthropicApi:
                 claim_read = pos
                 break
         claim_write = max(0, pin_tokens - claim_read) if entries else 0
-        params = gw.params(body.max_tokens, body.temperature, body.top_p, body.stop_sequences, None, API, body.top_k)
+        params = gw.params(
+            body.max_tokens,
+            body.temperature,
+            body.top_p,
+            body.stop_sequences,
+            None,
+            API,
+            body.top_k,
+            structured_output=tooling.structured,
+        )
         writes: list[asyncio.Task] = []  # the entry writes, awaited before the response ends
 
         def account(out: RequestOutput, predicted: int) -> None:
@@ -119,21 +135,33 @@ class AnthropicApi:
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await primed(run)
+            if tooling.parse:
+                return SlotStream(self._stream_tools(t, run, mid, claim_write, claim_read, writes, tooling))
             return SlotStream(self._stream(t, run, mid, claim_write, claim_read, writes))
         out, _ = await last(run)
         await gw.settle(writes)
-        return self._reply(
-            mid,
-            [TextBlock(text=out.text)],
-            _stop_reason(out),
-            _stop_sequence(out),
-            self._usage(t, out, claim_write, claim_read),
-        )
+        content: list[TextBlock | ToolUseBlock] = [TextBlock(text=out.text)]
+        reason = _stop_reason(out)
+        if tooling.parse:
+            text, calls = parse_calls(out.text, "toolu_")
+            if calls:
+                calls = calls[:1] if tooling.single else calls
+                content = [TextBlock(text=text)] if text else []
+                content += [ToolUseBlock(id=c.id, name=c.name, input=c.input) for c in calls]
+                reason = "tool_use" if out.finish_reason == "stop" else reason
+        return self._reply(mid, content, reason, _stop_sequence(out), self._usage(t, out, claim_write, claim_read))
+
+    @staticmethod
+    def _tooling(body: MessagesRequest) -> Tooling:
+        try:
+            return anthropic_tooling(body)
+        except ValueError as exc:
+            raise err(400, str(exc), API) from None
 
     def _reply(
         self,
         mid: str,
-        content: list[TextBlock],
+        content: list[TextBlock | ToolUseBlock],
         stop_reason: str | None,
         stop_sequence: str | None,
         usage: AnthropicUsage,
@@ -147,39 +175,67 @@ class AnthropicApi:
             usage=usage,
         )
 
-    def _prompt(self, t: Tenant, body: MessagesRequest) -> tuple[ChatPrompt, list[tuple[int, float]]]:
-        """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint."""
-        marked: list[tuple[int, str, float]] = []  # (message index, text, ttl)
+    def _prompt(
+        self, t: Tenant, body: MessagesRequest, tooling: Tooling | None = None
+    ) -> tuple[ChatPrompt, list[tuple[int, float]]]:
+        """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint. Tools go
+        through the chat template (``tooling.template``); a user turn's ``tool_result`` blocks become ``tool``
+        messages before its text, an assistant turn's ``tool_use`` blocks its ``tool_calls``."""
+        tooling = tooling or self._tooling(body)
+        marked: list[tuple[int, str, float]] = []  # (message index, text, ttl); index -1: a tool definition
 
         def ttl(cc: CacheControl) -> float:
             return self.gw.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, "cache_control.ttl", API)
 
-        system_parts: list[str] = []
-        for tool in body.tools or []:
-            spec = json.dumps({"name": tool.name, "description": tool.description, "input_schema": tool.input_schema})
-            system_parts.append(spec)
+        for tool, form in zip(body.tools or [], tooling.template or []):
             if tool.cache_control:
-                marked.append((0, spec, ttl(tool.cache_control)))
+                marked.append((-1, json.dumps(form, ensure_ascii=False), ttl(tool.cache_control)))
+        system_parts: list[str] = []
         for b in body.system or []:
             system_parts.append(b.text or "")
             if b.cache_control:
                 marked.append((0, b.text or "", ttl(b.cache_control)))
-        messages = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
+        messages: list[dict] = [{"role": "system", "content": "\n".join(system_parts)}] if system_parts else []
         for m in body.messages:
             parts = m.content
+            for block in parts:
+                if isinstance(block, ToolResultBlockIn):
+                    if m.role != "user":
+                        raise err(400, "messages: tool_result blocks belong in user turns", API)
+                    if block.cache_control:
+                        marked.append((len(messages), block.text, ttl(block.cache_control)))
+                    messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
+            texts = [b for b in parts if isinstance(b, ContentBlock)]
+            uses = [b for b in parts if isinstance(b, ToolUseBlockIn)]
+            if uses and m.role != "assistant":
+                raise err(400, "messages: tool_use blocks belong in assistant turns", API)
+            if not texts and not uses and any(isinstance(b, ToolResultBlockIn) for b in parts):
+                continue  # a turn of tool results only
             idx = len(messages)
-            messages.append({"role": m.role, "content": "".join(b.text or "" for b in parts)})
-            marked.extend((idx, b.text or "", ttl(b.cache_control)) for b in parts if b.cache_control)
+            message: dict = {"role": m.role, "content": "".join(b.text or "" for b in texts)}
+            if uses:
+                message["tool_calls"] = [
+                    {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": u.input}} for u in uses
+                ]
+            messages.append(message)
+            marked.extend((idx, b.text or "", ttl(b.cache_control)) for b in texts if b.cache_control)
+            marked.extend(
+                (idx, json.dumps(u.input, ensure_ascii=False), ttl(u.cache_control)) for u in uses if u.cache_control
+            )
         if len(marked) > MAX_BREAKPOINTS:
             raise err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", API)
-        chat = self.gw.chat(messages, API)
+        chat = self.gw.chat(messages, API, tools=tooling.template)
         marks, pos = [], 0
         for idx, piece, seconds in marked:
-            end = chat.find(idx, piece, after=pos)
+            if idx < 0:  # a tool definition: where the template put its JSON
+                at = chat.text.find(piece)
+                end = None if at < 0 else at + len(piece)
+            else:
+                end = chat.find(idx, piece, after=pos)
             if end is None:
                 raise err(400, "a cache_control block could not be located in the prompt", API)
-            pos = end
-            marks.append((pos, seconds))
+            pos = pos if idx < 0 else end
+            marks.append((end, seconds))
         return chat, marks
 
     def _usage(self, t: Tenant, out: RequestOutput, claim_write: int, claim_read: int) -> AnthropicUsage:
@@ -219,6 +275,72 @@ class AnthropicApi:
                 yield anthropic_event(
                     MessageDelta(
                         delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
+                        usage=self._usage(t, out, claim_write, claim_read),
+                    )
+                )
+                await self.gw.settle(writes)  # the run ended, so its entry writes have started
+                yield anthropic_event(MessageStop())
+        except ApiError as exc:
+            yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))
+
+    async def _stream_tools(
+        self,
+        t: Tenant,
+        run: Run,
+        mid: str,
+        claim_write: int,
+        claim_read: int,
+        writes: list[asyncio.Task],
+        tooling: Tooling,
+    ) -> AsyncIterator[str]:
+        """The event stream of a request with tools: text blocks as the text comes, and each tool call, once
+        complete, as a ``tool_use`` block whose input arrives in one ``input_json_delta``."""
+        parser = CallStream("toolu_")
+        index, text_open, num_calls = 0, False, 0
+
+        def events(o: RequestOutput) -> list[str]:
+            nonlocal index, text_open, num_calls
+            text, calls = parser.feed(o.delta_text)
+            text += parser.finish() if o.finished else ""
+            evs = []
+            for c in calls:
+                if tooling.single and num_calls:
+                    break
+                if text_open:
+                    evs.append(anthropic_event(ContentBlockStop(index=index)))
+                    index, text_open = index + 1, False
+                block = ToolUseBlock(id=c.id, name=c.name, input={})
+                evs.append(anthropic_event(ContentBlockStart(index=index, content_block=block)))
+                delta = InputJsonDelta(partial_json=c.arguments)
+                evs.append(anthropic_event(ContentBlockDelta(index=index, delta=delta)))
+                evs.append(anthropic_event(ContentBlockStop(index=index)))
+                index, num_calls = index + 1, num_calls + 1
+            if text:
+                if not text_open:
+                    evs.append(anthropic_event(ContentBlockStart(index=index, content_block=TextBlock(text=""))))
+                    text_open = True
+                evs.append(anthropic_event(ContentBlockDelta(index=index, delta=TextDelta(text=text))))
+            return evs
+
+        try:
+            first = True
+            out = None
+            async for out, _ in run:
+                if first:  # the group has prefilled: its reuse is known
+                    usage = self._usage(t, out, claim_write, claim_read).model_copy(update={"output_tokens": 0})
+                    yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
+                    first = False
+                for ev in events(out):
+                    yield ev
+            if out is not None:
+                if text_open:
+                    yield anthropic_event(ContentBlockStop(index=index))
+                reason = _stop_reason(out)
+                if num_calls and out.finish_reason == "stop":
+                    reason = "tool_use"
+                yield anthropic_event(
+                    MessageDelta(
+                        delta=StopInfo(stop_reason=reason, stop_sequence=_stop_sequence(out)),
                         usage=self._usage(t, out, claim_write, claim_read),
                     )
                 )

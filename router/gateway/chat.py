@@ -18,6 +18,7 @@ caller's own template (vLLM does the same)."""
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -57,9 +58,13 @@ class ChatPrompt:
         return sum(1 for _, end in self.offsets if end <= char_end)
 
 
-def _apply(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _apply(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except TemplateError as exc:
         raise ChatTemplateError(str(exc)) from None
 
@@ -83,7 +88,10 @@ def _align(text: str, template: list[str], contents: list[str]) -> list[tuple[in
 
 
 def _render(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, tuple[int, int]]]]:
     """The chat text of ``messages`` (each with a string ``content``), and (message index, character span) of every
     place where the template put a content, in text order.
@@ -96,7 +104,7 @@ def _render(
     nonce = secrets.token_hex(8)  # unguessable, so no content can contain a placeholder
     slot = re.compile(f"{nonce}s([0-9]+)e{nonce}", re.IGNORECASE)  # survives | upper, | lower, | title
     marked = [{**m, "content": f"{nonce}s{i}e{nonce}"} for i, m in enumerate(messages)]
-    pieces = slot.split(_apply(tokenizer, marked, add_generation_prompt))
+    pieces = slot.split(_apply(tokenizer, marked, add_generation_prompt, tools))
     template, order = pieces[0::2], [int(i) for i in pieces[1::2]]
     if any(end in piece.lower() for piece in template for end in (nonce[:8], nonce[-8:])):
         # Contents cut or rewritten beyond recognition (``content[:100]``): their regions cannot be known.
@@ -105,7 +113,7 @@ def _render(
             "rendered safely; use a template that inserts them as they are"
         )
     contents = [messages[i]["content"] for i in order]
-    text = _apply(tokenizer, messages, add_generation_prompt)
+    text = _apply(tokenizer, messages, add_generation_prompt, tools)
     spans = _align(text, template, contents)
     if spans is None:
         text, spans = template[0], []
@@ -125,16 +133,72 @@ def _encode(tokenizer, text: str, plain_text: bool) -> tuple[list[int], list[tup
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatPrompt:
+def _json_texts(tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[str]:
+    """The request's JSON that a template renders with ``tojson`` (tool definitions, the arguments and names of
+    earlier tool calls), as transformers' ``tojson`` writes it."""
+    texts = [json.dumps(tool, ensure_ascii=False) for tool in tools or []]
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            args = fn.get("arguments")
+            texts += [fn.get("name") or "", args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)]
+    return texts
+
+
+def _json_regions(tokenizer, text: str, pieces: list[str]) -> list[tuple[int, int]]:
+    """Where the pieces of request JSON that hold special-token text lie in ``text`` (every place), to be encoded
+    as plain text like message contents. Only such pieces are looked for: ordinary JSON cannot forge a marker.
+    ``ChatTemplateError`` when one of them is not in the text as is (the template rewrites it)."""
+    specials = [tokenizer.convert_ids_to_tokens(i) for i in sorted(_special_ids(tokenizer))]
+    regions = []
+    for piece in pieces:
+        if not any(tok in piece for tok in specials):
+            continue
+        at = text.find(piece)
+        if at < 0:
+            raise ChatTemplateError(
+                "a tool definition or tool call holds special-token text that the chat template does not render "
+                "as is, so it cannot be kept apart from the template's own markers"
+            )
+        while at >= 0:
+            regions.append((at, at + len(piece)))
+            at = text.find(piece, at + len(piece))
+    return regions
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping spans covering the same characters."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def encode_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> ChatPrompt:
     """Render ``messages`` with the tokenizer's chat template and tokenise the result so that special tokens come
     only from the template, never from a message's text. Raises ``ChatTemplateError`` when the template refuses the
-    messages. The one way any API turns messages into a prompt (the gateway's ``chat``)."""
-    text, placed = _render(tokenizer, messages, add_generation_prompt)
+    messages. The one way any API turns messages into a prompt (the gateway's ``chat``).
+
+    ``tools``: the function definitions the template renders (transformers' ``tools=``: OpenAI's
+    ``{"type": "function", "function": {...}}`` shape). An assistant message may carry ``tool_calls`` (OpenAI's
+    shape, arguments as a dict or a JSON string), a ``tool`` message a result as its content. Special-token text
+    in that JSON is encoded as plain text too."""
+    text, placed = _render(tokenizer, messages, add_generation_prompt, tools)
     by_message: list[tuple[int, int] | None] = [None] * len(messages)
     for i, span in placed:
         by_message[i] = by_message[i] or span  # a content the template repeats: its first place
     ids, offsets = _encode(tokenizer, text, plain_text=False)
     regions = sorted({span for _, span in placed if span[0] < span[1]})
+    if tools or any(m.get("tool_calls") for m in messages):
+        regions = _merge(regions + _json_regions(tokenizer, text, _json_texts(tools, messages)))
     starts = [a for a, _ in regions]
     special = _special_ids(tokenizer)
 

@@ -30,7 +30,7 @@ from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAbort
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput, merge_choices
 from common.protocol import GroupClient, RouterHandle, Submit
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.gateway.economics import Prices, RequestCost, dollars, request_cost
 from router.gateway.monitoring import (
@@ -604,11 +604,13 @@ class Gateway:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat(self, messages: list[dict[str, str]], api: str, generation: bool = True) -> ChatPrompt:
-        """The chat template applied to ``messages`` (every API's one way to a chat prompt); their texts never
-        become special tokens (router/gateway/chat.py)."""
+    def chat(
+        self, messages: list[dict[str, Any]], api: str, generation: bool = True, tools: list[dict] | None = None
+    ) -> ChatPrompt:
+        """The chat template applied to ``messages`` (every API's one way to a chat prompt), with ``tools`` (function
+        definitions, router/gateway/tools.py); their texts never become special tokens (router/gateway/chat.py)."""
         try:
-            prompt = encode_chat(self.tokenizer, messages, add_generation_prompt=generation)
+            prompt = encode_chat(self.tokenizer, messages, add_generation_prompt=generation, tools=tools)
         except ChatTemplateError as exc:
             raise err(400, f"messages: {exc}", api) from None
         _CHAT.set((messages, generation, prompt.token_ids))  # for the advisor's sample (``sample``)
@@ -634,6 +636,7 @@ class Gateway:
         api: str,
         top_k: int = 0,
         ignore_eos: bool = False,
+        structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -644,6 +647,7 @@ class Gateway:
                 stop=stop or [],
                 seed=seed,
                 ignore_eos=ignore_eos,
+                structured_output=structured_output,
             )
         except ValueError as exc:
             raise err(400, str(exc), api) from None

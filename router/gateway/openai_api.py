@@ -26,6 +26,7 @@ from router.gateway.protocol import (
     CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionCallOut,
     OpenAIChunk,
     OpenAIModel,
     OpenAIModelList,
@@ -34,9 +35,12 @@ from router.gateway.protocol import (
     OpenAIUsage,
     TextCompletion,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
 )
 from router.gateway.routes import Routes
+from router.gateway.tools import CallStream, Tooling, openai_messages, openai_tooling, parse_calls, response_format
 
 API = "openai"
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -130,11 +134,15 @@ class OpenAIApi:
     async def _chat_completions(self, t: Tenant, request: Request):
         gw = self.gw
         body: ChatRequest = await self._read(request, ChatRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        try:
+            messages = openai_messages(body.messages)
+            tooling = openai_tooling(body, response_format(body.response_format))
+        except ValueError as exc:
+            raise err(400, str(exc), API) from None
         prefix, ttl = await gw.cached_prefix(t, body.cached_content, API)
-        prompt = prefix + gw.chat(messages, API).token_ids
+        prompt = prefix + gw.chat(messages, API, tools=tooling.template).token_ids
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-        return await self._respond(t, request, body, prompt, len(prefix), ttl, max_tokens, chat=True)
+        return await self._respond(t, request, body, prompt, len(prefix), ttl, max_tokens, chat=True, tooling=tooling)
 
     @routes.post("/{tenant}/v1/completions")
     async def completions(self, tenant: str, request: Request):
@@ -160,12 +168,22 @@ class OpenAIApi:
         ttl: float,
         max_tokens: int,
         chat: bool,
+        tooling: Tooling | None = None,
     ):
-        """Run a chat or text completion and answer it, streamed or whole."""
+        """Run a chat or text completion and answer it, streamed or whole. ``tooling``: a chat's tools and
+        structured output (router/gateway/tools.py)."""
         gw = self.gw
+        tooling = tooling or Tooling()
         await gw.admit(t, prompt, max_tokens * body.n, API)
         params = gw.params(
-            max_tokens, body.temperature, body.top_p, body.stop, body.seed, API, ignore_eos=body.ignore_eos
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.stop,
+            body.seed,
+            API,
+            ignore_eos=body.ignore_eos,
+            structured_output=tooling.structured,
         )
         params.logprobs = self._logprobs_asked(body)  # bounded by the request model (at most MAX_LOGPROBS)
         if body.prompt_cache_retention == "24h":  # the prompt's blocks stay pinned, within the tenant's pin limits
@@ -191,7 +209,7 @@ class OpenAIApi:
         if body.stream:
             usage_wanted = body.stream_options is not None and body.stream_options.include_usage
             run = await primed(run)  # errors before the first token still get their HTTP status
-            return SlotStream(self._stream(t, run, rid, created, usage_wanted, chat, body.n))
+            return SlotStream(self._stream(t, run, rid, created, usage_wanted, chat, body.n, tooling))
         outs = await finals(run)
         usage = self._usage(t, merge_choices(outs))
         if chat:
@@ -203,11 +221,12 @@ class OpenAIApi:
                 choices=[
                     ChatChoice(
                         index=out.index,
-                        message=AssistantMessage(content=out.text),
-                        finish_reason=out.finish_reason,
+                        message=message,
+                        finish_reason="tool_calls" if message.tool_calls else out.finish_reason,
                         logprobs=self._chat_logprobs(out, len(out.token_ids)),
                     )
                     for out in outs
+                    for message in [self._message(out, tooling)]
                 ],
             )
         return TextCompletion(
@@ -223,6 +242,22 @@ class OpenAIApi:
                     logprobs=self._completion_logprobs(out, len(out.token_ids), 0),
                 )
                 for out in outs
+            ],
+        )
+
+    @staticmethod
+    def _message(out: RequestOutput, tooling: Tooling) -> AssistantMessage:
+        """A chat choice's message: its text, or the tool calls read out of it and the text around them."""
+        if not tooling.parse:
+            return AssistantMessage(content=out.text)
+        text, calls = parse_calls(out.text, "call_")
+        if not calls:
+            return AssistantMessage(content=out.text)
+        calls = calls[:1] if tooling.single else calls
+        return AssistantMessage(
+            content=text or None,
+            tool_calls=[
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls
             ],
         )
 
@@ -282,9 +317,20 @@ class OpenAIApi:
         )
 
     async def _stream(
-        self, t: Tenant, run: Run, rid: str, created: int, usage_wanted: bool, chat: bool, n: int = 1
+        self,
+        t: Tenant,
+        run: Run,
+        rid: str,
+        created: int,
+        usage_wanted: bool,
+        chat: bool,
+        n: int = 1,
+        tooling: Tooling | None = None,
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        # Chat with tools: each choice's text goes through a CallStream; a call is sent once it is complete.
+        calls = [CallStream("call_") for _ in range(n)] if chat and tooling is not None and tooling.parse else None
+        num_calls = [0] * n
 
         def chunk(choice: ChatChunkChoice | CompletionChunkChoice | None, usage: OpenAIUsage | None = None) -> str:
             return OpenAIChunk(
@@ -309,7 +355,41 @@ class OpenAIApi:
                 new = len(out.new_token_ids) if out.logprobs is not None else 0
                 if out.delta_text or out.finished or new:
                     reason = out.finish_reason
-                    if chat:
+                    if chat and calls is not None:
+                        assert tooling is not None
+                        text, done = calls[out.index].feed(out.delta_text)
+                        text += calls[out.index].finish() if out.finished else ""
+                        for c in done:
+                            if tooling.single and num_calls[out.index]:
+                                continue
+                            yield chunk(
+                                ChatChunkChoice(
+                                    index=out.index,
+                                    delta=ChatDelta(
+                                        content=None,
+                                        tool_calls=[
+                                            ToolCallDelta(
+                                                index=num_calls[out.index],
+                                                id=c.id,
+                                                function=FunctionCallOut(name=c.name, arguments=c.arguments),
+                                            )
+                                        ],
+                                    ),
+                                    finish_reason=None,
+                                )
+                            )
+                            num_calls[out.index] += 1
+                        said = "tool_calls" if num_calls[out.index] and reason == "stop" else reason
+                        if text or out.finished or new:
+                            yield chunk(
+                                ChatChunkChoice(
+                                    index=out.index,
+                                    delta=ChatDelta(content=text),
+                                    finish_reason=said,
+                                    logprobs=self._chat_logprobs(out, new) if new else None,
+                                )
+                            )
+                    elif chat:
                         yield chunk(
                             ChatChunkChoice(
                                 index=out.index,

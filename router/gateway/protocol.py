@@ -5,8 +5,9 @@ Every field kvgrid reads is type-checked strictly (no string-to-number or number
 infinity) and bounded, so a malformed body is answered 400 with the failing field's location, never a crash later
 on. Unknown fields are ignored, as the hosted APIs do for fields they add over time; a few common fields the
 engine does not apply (penalties, ``logit_bias``, ``audio``, ``modalities``, ``echo``, ...) are declared so that
-a request setting them is refused by name (``unsupported``) instead of being silently ignored. Content parts other than text (images, tool calls and results) are refused: the served model
-reads text only.
+a request setting them is refused by name (``unsupported``) instead of being silently ignored. Content parts
+other than text, tool calls and tool results (images, documents) are refused: the served model reads text only.
+Tools, tool calls and ``response_format`` are router/gateway/tools.py's.
 
 String message content is normalised to a one-element list of text parts, so the gateway reads one shape."""
 
@@ -115,11 +116,69 @@ Prompt = Annotated[
 ]
 
 
+class FunctionCall(_Body):
+    name: Name
+    arguments: Text  # JSON text of an object, as the API sends it
+
+
+class ToolCall(_Body):
+    """A call an earlier assistant turn made (OpenAI's shape)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Body):
+    name: Name
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceName(_Body):
+    name: Name
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceName
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Body):
+    name: Name
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: ChatContent = None
     name: Name | None = None
     tool_call_id: Name | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant turn's calls
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -179,6 +238,10 @@ class ChatRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # Declared so that they are refused by name: the served model reads and writes text only.
     audio: dict[str, Any] | None = None
     modalities: list[Annotated[str, Field(max_length=32)]] | None = Field(None, max_length=8)
@@ -233,9 +296,39 @@ AnthropicContent = Annotated[Blocks, BeforeValidator(_as_parts), Field(json_sche
 AnthropicSystem = Annotated[Blocks | None, BeforeValidator(_as_parts), Field(json_schema_extra=_string_or_parts)]
 
 
+class ToolUseBlockIn(_Body):
+    """A call an earlier assistant turn made."""
+
+    type: Literal["tool_use"]
+    id: Name
+    name: Name
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlockIn(_Body):
+    """The result of a call, in a user turn: text, or text blocks."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Name
+    content: Annotated[Blocks | None, BeforeValidator(_as_parts)] = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.content or [])
+
+
+MessageBlock = Annotated[ContentBlock | ToolUseBlockIn | ToolResultBlockIn, Field(discriminator="type")]
+MessageBlocks = Annotated[
+    list[MessageBlock], BeforeValidator(_as_parts), Field(max_length=MAX_PARTS, json_schema_extra=_string_or_parts)
+]
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: AnthropicContent
+    content: MessageBlocks
 
 
 class AnthropicTool(_Body):
@@ -243,6 +336,18 @@ class AnthropicTool(_Body):
     description: Text | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Name | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("name is required with type 'tool', and only with it")
+        return self
 
 
 class AnthropicMetadata(_Body):
@@ -255,6 +360,7 @@ class MessagesRequest(_Body):
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: AnthropicSystem = None
     tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: AnthropicToolChoice | None = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, lt=2**31)
@@ -367,9 +473,31 @@ class OpenAIUsage(_Reply):
         )
 
 
-class AssistantMessage(_Reply):
+class FunctionCallOut(_Reply):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Reply):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(_Reply):
+    """A whole call in one stream chunk (kvgrid sends each call once it is complete)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(_OmitNone):
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(_Reply):
@@ -436,9 +564,10 @@ class TextCompletion(_Reply):
 
 
 class ChatDelta(_OmitNone):
-    _omit_none: ClassVar[frozenset[str]] = frozenset({"role"})
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"role", "tool_calls"})
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_OmitNone):
@@ -500,6 +629,13 @@ class TextBlock(_Reply):
     text: str
 
 
+class ToolUseBlock(_Reply):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class AnthropicUsage(_Reply):
     input_tokens: int
     cache_creation_input_tokens: int
@@ -512,7 +648,7 @@ class AnthropicMessageReply(_Reply):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
+    content: list[TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -544,7 +680,7 @@ class MessageStart(_Reply):
 class ContentBlockStart(_Reply):
     type: Literal["content_block_start"] = "content_block_start"
     index: int = 0
-    content_block: TextBlock
+    content_block: TextBlock | ToolUseBlock
 
 
 class TextDelta(_Reply):
@@ -552,10 +688,15 @@ class TextDelta(_Reply):
     text: str
 
 
+class InputJsonDelta(_Reply):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
 class ContentBlockDelta(_Reply):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int = 0
-    delta: TextDelta
+    delta: TextDelta | InputJsonDelta
 
 
 class ContentBlockStop(_Reply):
