@@ -187,13 +187,18 @@ def refusal(model, body) -> str:
         (
             MessagesRequest,
             {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
-            "messages.0.content.0.text: Input should be a valid string",
+            "messages.0.content.0.text.text: Input should be a valid string",  # block kind text, field text
         ),
         (MessagesRequest, {**MESSAGES, "messages": [{"role": "user", "content": None}]}, "messages.0.content: "),
         (
             MessagesRequest,
             {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
-            "messages.0.content.0.type: Input should be 'text'",
+            "messages.0.content.0.tool_use.name: Field required",
+        ),
+        (
+            MessagesRequest,
+            {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content.0: type: a content block must be of type text, tool_use or tool_result",
         ),
         (
             MessagesRequest,

@@ -320,7 +320,22 @@ class ToolResultBlockIn(_Body):
         return "".join(b.text for b in self.content or [])
 
 
-MessageBlock = Annotated[ContentBlock | ToolUseBlockIn | ToolResultBlockIn, Field(discriminator="type")]
+def _block_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return kind if kind in ("text", "tool_use", "tool_result") else None
+
+
+# Tagged by ``type``, so an error names the block kind that was sent ("messages.0.content.1.tool_use.id: ...").
+MessageBlock = Annotated[
+    Annotated[ContentBlock, Tag("text")]
+    | Annotated[ToolUseBlockIn, Tag("tool_use")]
+    | Annotated[ToolResultBlockIn, Tag("tool_result")],
+    Discriminator(
+        _block_kind,
+        custom_error_type="block_type",
+        custom_error_message="type: a content block must be of type text, tool_use or tool_result",
+    ),
+]
 MessageBlocks = Annotated[
     list[MessageBlock], BeforeValidator(_as_parts), Field(max_length=MAX_PARTS, json_schema_extra=_string_or_parts)
 ]
