@@ -156,3 +156,28 @@ def test_openai_n_choices_over_one_prefill(shared_server):
     assert texts == [c.message.content for c in four.choices]
     assert usage is not None and usage.prompt_tokens == one.usage.prompt_tokens
     assert usage.completion_tokens == four.usage.completion_tokens
+
+
+def test_each_choice_keeps_its_own_structured_output_state(shared_engine):
+    """A constrained request's choices each get their own grammar state (made on their first token): every
+    choice is a complete JSON object of the schema, and they differ."""
+    import json
+
+    import jsonschema
+
+    from common.sampling import StructuredOutput
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=64, temperature=1.0, seed=5, structured_output=StructuredOutput("json_schema", json.dumps(schema))
+    )
+    outs = run(shared_engine, list(range(60, 101)), params, 4)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({o.text for o in outs}) > 1
