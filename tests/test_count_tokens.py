@@ -78,6 +78,8 @@ def test_what_the_engine_does_not_honour_is_refused_by_name(shared_server):
             {**chat, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages.0",
         ),
+        ("chat/completions", {**chat, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("chat/completions", {**chat, "web_search_options": {}}, "web_search_options"),
         ("completions", {**text, "echo": True}, "echo"),
         ("completions", {**text, "suffix": "tail"}, "suffix"),
         ("completions", {**text, "best_of": 3}, "best_of"),
@@ -86,9 +88,26 @@ def test_what_the_engine_does_not_honour_is_refused_by_name(shared_server):
         r = httpx.post(f"{base}/{path}", headers=headers, json=body, timeout=60)
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["message"].startswith(field), (field, r.text)
+    anthropic = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    for path in ("messages", "messages/count_tokens"):
+        r = httpx.post(
+            f"{shared_server.base}/globex/v1/{path}",
+            headers={"x-api-key": GLOBEX_KEY},
+            json={**anthropic, "thinking": thinking},
+            timeout=60,
+        )
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("thinking"), r.text
     # Their neutral values are accepted.
     for path, body in [
         ("chat/completions", {**chat, "frequency_penalty": 0, "logit_bias": {}, "modalities": ["text"]}),
         ("completions", {**text, "best_of": 1, "echo": False}),
     ]:
         assert httpx.post(f"{base}/{path}", headers=headers, json=body, timeout=60).status_code == 200
+    r = httpx.post(
+        f"{shared_server.base}/globex/v1/messages",
+        headers={"x-api-key": GLOBEX_KEY},
+        json={**anthropic, "thinking": {"type": "disabled"}},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text

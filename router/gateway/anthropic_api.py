@@ -78,6 +78,8 @@ class AnthropicApi:
         gw = self.gw
         body: CountTokensBody = await gw.body(request, CountTokensBody, API)
         gw.check_model(body.model, API)
+        if (refused := body.unsupported()) is not None:
+            raise err(400, refused, API)
         prefix, _ = await gw.cached_prefix(t, body.cached_content, API)
         chat, _ = self._prompt(t, body)
         return TokenCount(input_tokens=len(prefix) + len(chat.token_ids))
@@ -86,6 +88,8 @@ class AnthropicApi:
         gw = self.gw
         body: MessagesRequest = await gw.body(request, MessagesRequest, API)
         gw.check_model(body.model, API)
+        if (refused := body.unsupported()) is not None:
+            raise err(400, refused, API)
         prefix, cc_ttl = await gw.cached_prefix(t, body.cached_content, API)
         tooling = self._tooling(body)
         chat, marks = self._prompt(t, body, tooling)

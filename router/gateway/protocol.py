@@ -245,8 +245,14 @@ class ChatRequest(_OpenAIRequest):
     # Declared so that they are refused by name: the served model reads and writes text only.
     audio: dict[str, Any] | None = None
     modalities: list[Annotated[str, Field(max_length=32)]] | None = Field(None, max_length=8)
+    reasoning_effort: Annotated[str, Field(max_length=32)] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
+        if self.reasoning_effort is not None:
+            return "reasoning_effort: the served model does not reason (omit it)"
+        if self.web_search_options is not None:
+            return "web_search_options: web search is not supported by this server"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs: requires logprobs to be true"
         if self.audio is not None:
@@ -383,6 +389,13 @@ class MessagesRequest(_Body):
     stream: bool = False
     cached_content: Name | None = None
     metadata: AnthropicMetadata | None = None
+    thinking: dict[str, Any] | None = None  # declared so that extended thinking is refused by name
+
+    def unsupported(self) -> str | None:
+        """The 400 message for a field the engine does not honour, naming it (None when all is honoured)."""
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            return "thinking: extended thinking is not supported by this server"
+        return None
 
 
 class CountTokensBody(MessagesRequest):
