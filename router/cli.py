@@ -419,7 +419,7 @@ def _add_bench_tiers(bsub) -> None:
     t.add_argument("--gpu-blocks", type=int, default=256, help="blocks in the engine's KV pool")
     t.add_argument("--fill", type=int, default=8, help="other prompts sent in between (to evict the first)")
     t.add_argument("--max-tokens", type=int, default=16, help="greedy output tokens compared with a recompute")
-    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--repeats", type=int, default=5)
     t.add_argument("--host-bytes", type=int, default=256 * 2**20)
     t.add_argument("--disk-bytes", type=int, default=512 * 2**20)
     t.add_argument("--disk-path", default=None, help="the disk tier's directory (default: a temporary one)")

@@ -222,3 +222,75 @@ def test_config_validation():
         KVTiersConfig(disk_path="/tmp/x", disk_bytes=10)
     assert isinstance(EngineConfig(kv_tiers={"host_bytes": 10}).kv_tiers, KVTiersConfig)  # type: ignore[arg-type]
     assert ConfigError  # load_config wraps these errors naming the field (tests/test_config.py)
+
+
+def test_churn_with_small_tiers_matches_recompute(demo_path, reference, tmp_path):
+    """Batches of prompts sharing prefixes through a small pool, a smaller host tier and a disk tier (evictions,
+    loads, disk reads and preemptions in the same steps): every output is the recompute's."""
+    rng = random.Random(7)
+    block_bytes = 4 * 2 * BS * 2 * 64 * 4
+    tiers = KVTiersConfig(host_bytes=24 * block_bytes, disk_path=str(tmp_path), disk_bytes=200 * block_bytes)
+    eng = make(demo_path, tiers)
+    shared = [prompt(rng, 96) for _ in range(4)]
+    pool = [s + prompt(rng, rng.randrange(1, 100)) for s in shared for _ in range(3)]
+    for round_ in range(5):
+        batch = rng.sample(pool, 6)
+        outs = eng.generate(batch, GREEDY)
+        for p, o in zip(batch, outs):
+            assert o.token_ids == reference(p), f"round {round_}: a prompt of {len(p)} tokens diverged"
+    st = eng.stats()
+    assert st.host_hit_blocks > 0 and st.kv_tiers["host"].stored > 0
+    eng.close()
+    eng2 = make(demo_path, tiers)  # the same prompts from disk
+    outs = eng2.generate(pool[:4], GREEDY)
+    assert all(o.token_ids == reference(p) for p, o in zip(pool[:4], outs))
+    assert eng2.stats().disk_hit_blocks > 0
+    eng2.close()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import os
+
+    import ray
+
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 * 2**20,
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+def test_tensor_parallel_group_reloads_and_keeps_its_disk_tier_across_a_restart(
+    ray_local, demo_path, reference, tmp_path
+):
+    """Two ranks, each with its own host slots and block files: a host reload and, after the group restarts, a
+    disk reload give the recompute's output (the group wrote its pool down when it stopped)."""
+    from worker.group import GroupConfig, WorkerGroup
+
+    cfg = EngineConfig(model=str(demo_path), device="cpu", secret=SECRET, num_blocks=POOL, kv_tiers=with_disk(tmp_path))
+    group = WorkerGroup(GroupConfig("g-tiers", cfg, tp=2))
+    try:
+        rng = random.Random(8)
+        first, second = prompt(rng), prompt(rng)
+        assert group.generate(first, GREEDY).token_ids == reference(first)
+        for _ in range(12):
+            group.generate(prompt(rng), SamplingParams(max_tokens=1, temperature=0.0))
+        again = group.generate(first, GREEDY)
+        assert again.num_cached_tokens == 6 * BS and again.token_ids == reference(first)
+        group.generate(second, GREEDY)  # in the pool when the group stops
+        group.restart()
+        for p in (second, first):
+            out = group.generate(p, GREEDY)
+            assert out.num_cached_tokens == 6 * BS and out.token_ids == reference(p)
+        assert group.stats().disk_hit_blocks >= 12
+        ranks = [tmp_path / "g-tiers" / f"tp2-rank{r}" for r in (0, 1)]
+        assert all(len(list(d.glob("*.kvb"))) >= 12 for d in ranks)
+    finally:
+        group.shutdown()

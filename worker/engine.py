@@ -164,6 +164,7 @@ class Engine:
         tiers = None
         if self.runner.tiers is not None:
             tiers = TierIndex(self.runner.tiers, self.runner.stage_kv, event_sink, config.tenant_shares)
+            self.runner.defer_tier_writes = True  # queued at the end of step(), once its tokens are out
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares, tiers
         )
@@ -283,16 +284,16 @@ class Engine:
             self.kv.stage(self.scheduler.waiting, self.config.max_num_seqs)  # disk -> host, before admission
         batch = self.scheduler.schedule()
         kv_ops = self.kv.take_tier_ops()
-        if kv_ops and not batch:  # copies queued by an eviction outside a step (a fork): make them now
-            self.runner.run([], kv_ops=kv_ops)
-            self.kv.tier_step_done(self.runner.tier_load_s)
+        if kv_ops is not None and not batch:  # copies queued outside a step (a fork's evictions): make them now
+            if kv_ops:
+                self.runner.run([], kv_ops=kv_ops)
+            self._finish_tier_ops()
         if not batch:
             if self.has_unfinished():
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
         copies, self._block_copies = tuple(self._block_copies), []
         logits = self.runner.run(batch, copies, kv_ops)
-        self.kv.tier_step_done(self.runner.tier_load_s)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
         for seq, n in batch:
             self.scheduler.on_computed(seq, n)
@@ -309,7 +310,14 @@ class Engine:
                 del self._seqs[seq.request_id]
                 if seq.output_id in self._choices:
                     self._choice_finished(seq.output_id)
+        if kv_ops is not None:  # the step's disk writes, then its host slots go back
+            self._finish_tier_ops()
         return outputs
+
+    def _finish_tier_ops(self) -> None:
+        assert self.runner.tiers is not None
+        self.runner.tiers.write_pending()
+        self.kv.tier_step_done(self.runner.tier_load_s)
 
     # -- n > 1: one prompt, n choices ---------------------------------------------------------------------------
 

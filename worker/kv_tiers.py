@@ -158,14 +158,21 @@ def _mac(mkey: bytes, head: bytes, payload_digest: bytes) -> bytes:
     return hmac.new(mkey, head + payload_digest, hashlib.blake2b).digest()[:_MAC_SIZE]
 
 
-def encode_block(
-    fingerprint: bytes, key: bytes, parent: bytes | None, tenant: str, payload: bytes, mkey: bytes
+def encode_header(
+    fingerprint: bytes, key: bytes, parent: bytes | None, tenant: str, payload: memoryview | bytes, mkey: bytes
 ) -> bytes:
-    """A block file: header (magic, fingerprint, lengths), key, parent, tenant, MAC, payload."""
+    """What precedes the payload in a block file: header (magic, fingerprint, lengths), key, parent, tenant, MAC."""
     t = tenant.encode()
     p = parent or b""
     head = _HEADER.pack(_MAGIC, fingerprint, len(key), len(p), len(t), len(payload)) + key + p + t
-    return head + _mac(mkey, head, xxhash.xxh3_128_digest(payload)) + payload
+    return head + _mac(mkey, head, xxhash.xxh3_128_digest(payload))
+
+
+def encode_block(
+    fingerprint: bytes, key: bytes, parent: bytes | None, tenant: str, payload: bytes, mkey: bytes
+) -> bytes:
+    """A whole block file."""
+    return encode_header(fingerprint, key, parent, tenant, payload, mkey) + payload
 
 
 class BlockHeader(NamedTuple):
@@ -231,6 +238,7 @@ class TierStore:
         self.dir: Path | None = None
         self.num_disk_slots = 0
         self._writes: queue.Queue = queue.Queue()
+        self._pending: list[TierOps] = []  # ops whose disk writes are not queued yet (write_pending)
         self._writer: threading.Thread | None = None
         self.write_errors = 0
         if config.disk_path is not None and self.num_host_slots:
@@ -260,13 +268,8 @@ class TierStore:
                 gpu = torch.tensor([g for g, _ in ops.offload], device=kv_cache.device)
                 down = kv_cache.index_select(2, gpu).movedim(2, 0).contiguous().to("cpu")
                 self.host.index_copy_(0, torch.tensor([s for _, s in ops.offload]), down)
-        for slot, key, parent, tenant in ops.disk_put:
-            if self._writer is not None:
-                # A copy: the slot may hold another block by the time the writer gets to it.
-                self._writes.put(("put", key, parent, tenant, self.host[slot].clone()))
-        for key in ops.disk_del:
-            if self._writer is not None:
-                self._writes.put(("del", key))
+        if ops.disk_put or ops.disk_del:
+            self._pending.append(ops)
         if not ops.load:
             return 0.0
         t0 = time.perf_counter()
@@ -283,6 +286,19 @@ class TierStore:
             kv_cache.index_copy_(2, gpu, up)
             torch.cuda.current_stream(kv_cache.device).synchronize()
         return time.perf_counter() - t0
+
+    def write_pending(self) -> None:
+        """Queue the disk writes and deletes of the ops applied since last time (after the step's forward pass,
+        and on rank 0 after its sampling: off the time to the step's tokens). Before the next step's ops."""
+        pending, self._pending = self._pending, []
+        if self._writer is None:
+            return
+        for ops in pending:
+            for slot, key, parent, tenant in ops.disk_put:
+                # A copy: the slot may hold another block by the time the writer gets to it.
+                self._writes.put(("put", key, parent, tenant, self.host[slot].clone()))
+            for key in ops.disk_del:
+                self._writes.put(("del", key))
 
     def stage(self, plan: StagePlan) -> int:
         """Read the plan's block files into their host slots, stopping at the first that fails a check;
@@ -332,10 +348,12 @@ class TierStore:
                     return
                 if item[0] == "put":
                     _, key, parent, tenant, t = item
-                    payload = t.contiguous().view(torch.uint8).numpy().tobytes()
+                    payload = memoryview(t.view(torch.uint8).numpy()).cast("B")  # no copy
                     path = self.dir / file_name(key)
                     tmp = path.with_suffix(".tmp")
-                    tmp.write_bytes(encode_block(self.fingerprint, key, parent, tenant, payload, self.mkey))
+                    with tmp.open("wb") as f:
+                        f.write(encode_header(self.fingerprint, key, parent, tenant, payload, self.mkey))
+                        f.write(payload)
                     os.replace(tmp, path)
                 else:
                     (self.dir / file_name(item[1])).unlink(missing_ok=True)
@@ -452,6 +470,7 @@ class TierIndex:
             )
         self._ops = _Pending()
         self._held: list[Block] = []  # host blocks an op of the coming step reads or writes
+        self._applying: list[Block] = []  # ... of the step running now
         self.stats = {Tier.HOST: TierStats(capacity=store.num_host_slots), Tier.DISK: TierStats()}
         if self.disk is not None:
             self.stats[Tier.DISK].capacity = self.disk.num_blocks
@@ -606,14 +625,18 @@ class TierIndex:
     # -- steps
 
     def take_ops(self) -> TierOps:
+        """The ops queued since last time, for the coming step; their host slots stay held until ``step_done``
+        (ops queued meanwhile, by evictions after the step's forward pass, hold theirs until the next one)."""
         ops, self._ops = self._ops, _Pending()
+        self._applying.extend(self._held)
+        self._held = []
         return TierOps(ops.offload, ops.disk_put, ops.disk_del, ops.load)
 
     def step_done(self, load_s: float = 0.0) -> None:
-        """The step ran its ops: release the host slots they used."""
+        """The step ran the ops ``take_ops`` gave it (and queued their disk writes): release their host slots."""
         self.stats[Tier.HOST].load_s += load_s
-        held, self._held = self._held, []
-        self.host.free(held)
+        applied, self._applying = self._applying, []
+        self.host.free(applied)
 
     def reset(self) -> None:
         """Forget every block of every lower tier (their files are deleted)."""

@@ -87,6 +87,9 @@ class ModelRunner:
         self._step_threads: int | None = None  # the thread count the engine thread was given (read at its first step)
         self.tiers: TierStore | None = None  # host RAM and disk under the KV cache (enable_kv_tiers)
         self.tier_load_s = 0.0  # what the last step's tier loads took
+        # Rank 0's engine queues a step's disk writes itself, once the step's tokens are out (Engine.step);
+        # the other ranks right after their forward pass.
+        self.defer_tier_writes = False
 
     def allocate_kv_cache(self, num_blocks: int | None, cpu_bytes: int, gpu_fraction: float) -> int:
         """Allocate the paged K/V tensors and return their block count: ``num_blocks`` if given, else what fits
@@ -163,6 +166,8 @@ class ModelRunner:
             assert self.tiers is not None
             self.tier_load_s = self.tiers.apply(self.kv_cache, inp.kv_ops)
         if not inp.input_ids:  # tier copies only
+            if self.tiers is not None:
+                self.tiers.write_pending()
             return torch.empty(0, self.mcfg.vocab_size, dtype=torch.float32)
         self.pick_threads(inp)
         if inp.block_copies:
@@ -171,6 +176,8 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self._forward(inp)
+        if self.tiers is not None and not self.defer_tier_writes:
+            self.tiers.write_pending()
         if not inp.sample_rows:
             return hidden.new_empty(0, self.mcfg.vocab_size, dtype=torch.float32)
         if len(inp.sample_rows) < hidden.shape[0]:  # a decode-only step samples every row: no gather
