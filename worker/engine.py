@@ -293,6 +293,7 @@ class Engine:
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
         copies, self._block_copies = tuple(self._block_copies), []
+        self.sampler.prefetch(batch)  # structured outputs' masks, computed while the model runs
         logits = self.runner.run(batch, copies, kv_ops)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
         for seq, n in batch:

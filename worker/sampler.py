@@ -10,6 +10,7 @@ them, on the logits' device); log-probabilities are taken before the mask, from 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,6 +62,12 @@ class Sampler:
             except Exception as exc:
                 out.append(exc)
         return out
+
+    def prefetch(self, batch: Iterable[tuple[Sequence, int]]) -> None:
+        """Before the model runs ``batch`` (sequence, tokens): start the masks of the rows it will sample."""
+        if self.grammars is not None:
+            sampled = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
+            self.grammars.prefetch([s for s in sampled if s.params.structured_output is not None])
 
     def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
         """Apply the structured outputs' masks to their rows (in place; every mask in one batched call). Returns

@@ -4,7 +4,8 @@ A request whose ``SamplingParams.structured_output`` is set gets an llguidance `
 state) the first time one of its tokens is sampled, kept on its ``Sequence`` (``seq.grammar``). Each step, before
 sampling, ``Grammars.apply`` computes the allowed-token bitmask of every constrained row of the batch in one call
 (llguidance's executor fills them in parallel, into one int32 array: 32 tokens a word), unpacks it on the logits'
-device (CPU or CUDA) and sets every disallowed logit to ``-inf``; rows without a constraint are not touched. After
+device (CPU or CUDA) and sets every disallowed logit to ``-inf``; rows without a constraint are not touched. The
+engine starts that computation before the model's forward pass (``prefetch``), so the two overlap. After
 sampling, ``advance`` feeds the chosen token to the matcher and says whether the grammar is complete (nothing more
 can follow), which ends the request with ``stop``. EOS is allowed exactly where the grammar may end.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +49,8 @@ class Grammars:
         self._executor: Any = None
         self._grammars: dict[StructuredOutput, LLMatcher] = {}  # a compiled matcher per constraint, never advanced
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[list[LLMatcher], Future[torch.Tensor]] | None = None
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -82,19 +86,47 @@ class Grammars:
             seq.grammar = self.matcher(so)
         return seq.grammar
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[LLMatcher]) -> None:
-        """Mask ``logits`` (batch x vocab, in place) so that row ``rows[k]`` allows only what ``matchers[k]``
-        accepts next: one mask computation for all of them, one masked fill on the logits' device."""
+    def _fill(self, matchers: list[LLMatcher]) -> torch.Tensor:
+        """The allowed-token bitmasks of ``matchers`` (one int32 row each), computed in one parallel call."""
         from llguidance import LLExecutor
 
         if self._executor is None:
             # Few threads: the masks of a batch take well under a millisecond each, and the cores are the model's.
             self._executor = LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
         words = (self.vocab_size + 31) // 32
-        bits = torch.zeros((len(rows), words), dtype=torch.int32)
+        bits = torch.zeros((len(matchers), words), dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr(
-            [(m, k) for k, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(rows)
+            [(m, k) for k, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
         )
+        return bits
+
+    def prefetch(self, seqs: list[Sequence]) -> None:
+        """Start computing the masks of the constrained ``seqs`` (the rows the coming step samples) on a helper
+        thread, so that they overlap the model's forward pass (llguidance drops the GIL); ``apply`` takes them
+        if its matchers are these, else computes its own."""
+        self._pending = None
+        try:
+            matchers = [m for s in seqs if (m := self.state(s)) is not None]
+        except Exception:  # a grammar that does not compile: the sampler fails that request
+            return
+        if matchers:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvgrid-grammar")
+            self._pending = (matchers, self._pool.submit(self._fill, matchers))
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[LLMatcher]) -> None:
+        """Mask ``logits`` (batch x vocab, in place) so that row ``rows[k]`` allows only what ``matchers[k]``
+        accepts next: one mask computation for all of them (the prefetched one when it is of these matchers),
+        one masked fill on the logits' device."""
+        pending, self._pending = self._pending, None
+        bits = None
+        if pending is not None:
+            done = pending[1].result()  # waited for even when unused: it reads these matchers
+            if len(pending[0]) == len(matchers) and all(a is b for a, b in zip(pending[0], matchers)):
+                bits = done
+        if bits is None:
+            bits = self._fill(matchers)
+        words = bits.shape[1]
         for m in matchers:
             if m.is_error():
                 raise GrammarError(f"structured output: {m.get_error()}")
