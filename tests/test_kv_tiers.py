@@ -294,3 +294,35 @@ def test_tensor_parallel_group_reloads_and_keeps_its_disk_tier_across_a_restart(
         assert all(len(list(d.glob("*.kvb"))) >= 12 for d in ranks)
     finally:
         group.shutdown()
+
+
+def test_pins_live_in_host_ram_and_not_in_the_gpu_pool(demo_path, reference):
+    """With a host tier an explicit cache entry pins host slots, not GPU blocks: the whole pool stays for running
+    requests, the pinned prefix survives a flood of the (small) host tier and reloads; the pin expires."""
+    rng = random.Random(9)
+    block_bytes = 4 * 2 * BS * 2 * 64 * 4
+    eng = make(demo_path, KVTiersConfig(host_bytes=20 * block_bytes))
+    p = prompt(rng)
+    rid = eng.add_request(p, GREEDY, pin_tokens=6 * BS, pin_ttl_s=300)
+    while eng.has_unfinished():
+        eng.step()
+    assert rid not in eng._seqs
+    assert eng.kv.tiers is not None
+    assert not eng.kv._pool.pins and len(eng.kv.tiers.host.pins) == 6
+    assert eng.stats().blocks_pinned == 6
+    fill(eng, rng, n=15)  # 105 blocks through a pool of 40 and a host tier of 20
+    again = eng.generate([p], GREEDY)[0]
+    assert again.num_cached_tokens == 6 * BS and again.token_ids == reference(p)
+    assert [t for t, _, _ in eng.pinned_entries()] == ["default"]
+    assert eng.kv.expire_pins(float("inf")) == 6 and not eng.kv.tiers.host.pins
+
+
+def test_serve_config_reaches_the_engine_config(tmp_path):
+    from router.control.serve import _engine_config
+
+    base = {"tenants": [{"name": "a", "api_keys": ["sk-aaaaaaaaaaaa"]}]}
+    tiers = {"host_bytes": 1 << 20, "disk_path": str(tmp_path), "disk_bytes": 1 << 22}
+    ec = _engine_config(ServeConfig.model_validate({**base, "kv_tiers": tiers}), "demo", "secret", False)
+    assert ec.kv_tiers == KVTiersConfig(1 << 20, str(tmp_path), 1 << 22)
+    assert ec.kv_tiers.for_group("g/0").disk_path == str(tmp_path / "g_0")  # one directory per group
+    assert not _engine_config(ServeConfig.model_validate(base), "demo", "secret", False).kv_tiers.enabled

@@ -397,7 +397,7 @@ class Engine:
             now + seq.pin_ttl_s,
             seq.tenant,
             self.pin_limit_blocks(seq.tenant),
-            int(self.config.max_pinned_fraction * self.num_blocks),
+            int(self.config.max_pinned_fraction * self.kv.pin_capacity),
         )
         if seq.num_pinned_blocks < upto:  # a limit was reached: stop asking for this request
             seq.pin_blocks = seq.num_pinned_blocks
@@ -416,7 +416,7 @@ class Engine:
         if limit is not None:
             return limit // c.block_size
         if tenant in c.tenant_shares:
-            budget = c.max_pinned_fraction * self.num_blocks
+            budget = c.max_pinned_fraction * self.kv.pin_capacity
             return int(budget * c.tenant_shares[tenant] / sum(c.tenant_shares.values()))
         return None
 

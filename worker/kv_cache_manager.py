@@ -181,19 +181,38 @@ class KVCacheManager:
         total_limit_blocks: int | None = None,
     ) -> int:
         """Pin (or refresh) the cached blocks of ``keys`` until ``until``; returns how many leading keys are
-        pinned (see ``BlockPool.pin`` for the limits)."""
+        pinned (see ``BlockPool.pin`` for the limits). With a host tier the pins live there (the blocks are
+        copied down), so that pinned prefixes never hold GPU blocks: a pinned prefix is a GPU hit while the pool
+        keeps it, a host load after."""
+        if self.tiers is not None and self.tiers.host_enabled:
+            return self.tiers.pin(self._pool, keys, until, tenant, limit_blocks, total_limit_blocks)
         return self._pool.pin(keys, until, tenant, limit_blocks, total_limit_blocks)
+
+    @property
+    def pin_capacity(self) -> int:
+        """The blocks pins are a fraction of: the host tier's, when pins live there, else the GPU pool's."""
+        if self.tiers is not None and self.tiers.host_enabled:
+            return self.tiers.host.num_blocks
+        return self._pool.num_blocks
 
     def expire_pins(self, now: float) -> int:
         """Release the pins whose deadline has passed; returns how many."""
-        return self._pool.expire_pins(now)
+        n = self._pool.expire_pins(now)
+        if self.tiers is not None:
+            n += self.tiers.host.expire_pins(now)
+        return n
 
     def usage(self) -> PoolUsage:
-        return self._pool.usage()
+        u = self._pool.usage()
+        if self.tiers is not None:
+            u = u._replace(pinned=u.pinned + len(self.tiers.host.pins))
+        return u
 
     def reset(self) -> bool:
         """Forget every cached block, in every tier (only while no block is in use); returns whether it
         happened."""
+        if self.tiers is not None and self.tiers.host.pins:
+            return False  # pinned blocks stay, as in the GPU pool
         if not self._pool.reset():
             return False
         if self.tiers is not None:

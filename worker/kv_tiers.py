@@ -540,6 +540,34 @@ class TierIndex:
         self._disk_store(hb.block_id, key, parent, tenant)
         return True
 
+    def pin(
+        self,
+        gpu: BlockPool,
+        keys: list[bytes],
+        until: float,
+        tenant: str,
+        limit_blocks: int | None,
+        total_limit_blocks: int | None,
+    ) -> int:
+        """Pin the leading ``keys`` in host RAM (``BlockPool.pin`` there, with its limits), first queueing copies of
+        the GPU blocks of those host RAM lacks (the GPU pool holds them computed: they are copied at the start
+        of the next step, before anything could overwrite them). Returns how many leading keys are pinned."""
+        n = 0
+        for key in keys:
+            if self.host.lookup(key) is None:
+                b = gpu.lookup(key)
+                if b is None or self.host.num_free == 0:
+                    break
+                [hb] = self.host.allocate(1, tenant)
+                self.host.cache([hb], [key], b.parent, tenant)
+                self._held.append(hb)
+                self._ops.offload.append((b.block_id, hb.block_id))
+                self.stats[Tier.HOST].stored += 1
+                if self.disk is not None and self.disk.lookup(key) is None:
+                    self._disk_store(hb.block_id, key, b.parent, tenant)
+            n += 1
+        return self.host.pin(keys[:n], until, tenant, limit_blocks, total_limit_blocks)
+
     def _disk_store(self, slot: int, key: bytes, parent: bytes | None, tenant: str) -> None:
         assert self.disk is not None
         if len(tenant.encode()) > _MAX_NAME:
