@@ -120,6 +120,23 @@ class AdviceConfig(_Strict):
         return parse_duration(v)  # type: ignore[arg-type]
 
 
+class MonitoringConfig(_Strict):
+    """The hit-rate drop alarm of every tenant (router/gateway/monitoring.py ``DropAlarm``; README, "Prompt-cache
+    economics and monitoring")."""
+
+    drop_alerts: bool = True
+    window: float = 60.0  # the share of the last window ...
+    baseline: float = 300.0  # ... against the share over this long before it
+    drop_ratio: float = Field(0.5, gt=0, lt=1)  # fires below this fraction of the baseline's share
+    min_share: float = Field(0.2, ge=0, le=1)  # a baseline share worth watching
+    streak: int = Field(10, ge=1, le=1000)  # and when the last this many requests all lost their hit
+
+    @field_validator("window", "baseline", mode="before")
+    @classmethod
+    def _seconds(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+
 class TenantConfig(_Strict):
     name: str
     api_keys: list[str] = Field(min_length=1)
@@ -192,6 +209,7 @@ class ServeConfig(_Strict):
     decode_cpus_per_rank: int | None = Field(None, ge=1)
     cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
     kv_tiers: KVTiersServeConfig = KVTiersServeConfig()  # host RAM and disk under every group's KV cache (off)
+    monitoring: MonitoringConfig = MonitoringConfig()
     tenants: list[TenantConfig] = Field(min_length=1)
 
     @field_validator("admin_keys")

@@ -177,32 +177,35 @@ def test_usage_endpoint_prices_anthropic_usage_end_to_end(shared_server):
     client = an(server, "initech", SHARED_INITECH_KEY)
     system = f"Economics check {random.randrange(10**9)}. " + SYSTEM * 2
     usages = []
-    for question in ("When do you open?", "How much is a cargo bike?"):
+    for question, ttl in (("When do you open?", "5m"), ("How much is a cargo bike?", "5m"), ("Maps?", "1h")):
+        text = system if ttl == "5m" else "One hour. " + system  # the 1-hour entry is a prefix of its own
         reply = client.messages.create(
             model="demo",
             max_tokens=8,
-            temperature=0,
-            system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            extra_body={"temperature": 0},
+            system=[{"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": ttl}}],
             messages=[{"role": "user", "content": question}],
         )
-        usages.append(reply.usage)
-    assert usages[0].cache_creation_input_tokens > 0 and usages[1].cache_read_input_tokens > 0
-    # initech: the anthropic preset, 5-minute entries (its default_ttl).
+        usages.append((reply.usage, 300 if ttl == "5m" else 3600))
+    assert usages[0][0].cache_creation_input_tokens > 0 and usages[1][0].cache_read_input_tokens > 0
+    assert usages[2][0].cache_creation_input_tokens > 0  # written at the 1-hour price
+    # initech: the anthropic preset; each write priced at its entry's TTL.
     reqs = [
         {
             "prompt": u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens,
             "cached": u.cache_read_input_tokens,
             "write": u.cache_creation_input_tokens,
-            "ttl": 300,
+            "ttl": ttl,
             "output": u.output_tokens,
         }
-        for u in usages
+        for u, ttl in usages
     ]
     cost, uncached = _hand_cost({"preset": "anthropic"}, reqs)
     after = httpx.get(f"{server.base}/initech/v1/usage", headers=headers, timeout=30).json()
     assert after["cost_picodollars"] - before["cost_picodollars"] == cost * PICO
     assert after["cost_without_cache_picodollars"] - before["cost_without_cache_picodollars"] == uncached * PICO
-    assert after["usage"]["requests"] - before["usage"]["requests"] == 2
+    assert after["usage"]["requests"] - before["usage"]["requests"] == 3
+    assert after["usage"]["cache_write_1h_tokens"] - before["usage"]["cache_write_1h_tokens"] == reqs[2]["write"]
     assert after["prices"]["cache_write_5m"] == 3.75
 
     # The admin view has every tenant, initech with the same figures; a tenant key cannot open it.

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
 
-from common.config import ServeConfig, TenantConfig
+from common.config import MonitoringConfig, ServeConfig, TenantConfig
 from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput, merge_choices
@@ -41,6 +41,7 @@ from router.gateway.monitoring import (
     Alert,
     DropAlarm,
     RequestTiming,
+    ShareWindows,
 )
 from router.gateway.protocol import (
     MAX_BODY_BYTES,
@@ -93,6 +94,8 @@ routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to o
 # The messages of this request's chat prompt (messages, generation prompt, token ids), which ``admit`` samples for
 # the cache advisor: each request runs in its own task, so its own.
 _CHAT: ContextVar[tuple[list[dict[str, Any]], bool, list[int]] | None] = ContextVar("kvgrid_chat", default=None)
+# The pin TTL of the request ``generate`` is accounting (set just before it calls ``account``).
+_PIN_TTL: ContextVar[float | None] = ContextVar("kvgrid_pin_ttl", default=None)
 
 T = TypeVar("T")
 
@@ -204,7 +207,7 @@ class _Metrics:
     at its prices, the cache-read share over recent windows, latency histograms and the hit-rate drop alarm
     (router/gateway/monitoring.py)."""
 
-    def __init__(self, tenant: str, block_size: int = 16) -> None:
+    def __init__(self, tenant: str, block_size: int = 16, monitoring: MonitoringConfig | None = None) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["tenant"]
         self.requests = Counter("kvgrid_requests", "Requests served", lbl, registry=r)
@@ -239,7 +242,14 @@ class _Metrics:
             "kvgrid_hit_rate_drop_block", "The block where prompts stopped matching (last alert)", lbl, registry=r
         )
         self.tenant = tenant
-        self.alarm = DropAlarm(tenant, block_size)
+        mon = monitoring or MonitoringConfig()
+        self.alarm: DropAlarm | None = None
+        if mon.drop_alerts:
+            self.alarm = DropAlarm(
+                tenant, block_size, mon.window, mon.baseline, mon.drop_ratio, mon.min_share, streak=mon.streak
+            )
+        self.windows = self.alarm.windows if self.alarm is not None else ShareWindows()
+        self.clock = time.time  # the alarm's clock (a test's simulated one)
         self._prompt_total = self._cached_total = 0
         for m in (self.requests, self.prompt, self.cached, self.output, self.hit_rate, self.predicted, self.actual):
             m.labels(tenant)  # every series shows from the start, at 0
@@ -280,11 +290,15 @@ class _Metrics:
         self._prompt_total += prompt
         self._cached_total += cached
         self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
-        now = time.time() if now is None else now
-        alert = self.alarm.observe(prompt_ids if prompt_ids is not None else [0] * prompt, cached, now)
+        now = self.clock() if now is None else now
+        alert = None
+        if self.alarm is not None:
+            alert = self.alarm.observe(prompt_ids if prompt_ids is not None else [0] * prompt, cached, now)
+            self.alert_active.labels(t).set(0 if self.alarm.active is None else 1)
+        else:
+            self.windows.add(now, prompt, cached)
         for w, seconds in WINDOWS.items():
-            self.window_rate.labels(t, w).set(self.alarm.windows.share(now, seconds))
-        self.alert_active.labels(t).set(0 if self.alarm.active is None else 1)
+            self.window_rate.labels(t, w).set(self.windows.share(now, seconds))
         if alert is not None:
             self.alerts.labels(t).inc()
             self.alert_block.labels(t).set(alert.block)
@@ -305,10 +319,16 @@ class _Metrics:
 class Tenant:
     """One tenant's state in this replica: its config, rate limiter, metrics and in-flight count."""
 
-    def __init__(self, config: TenantConfig, limiter: RateLimiter, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        config: TenantConfig,
+        limiter: RateLimiter,
+        block_size: int = 16,
+        monitoring: MonitoringConfig | None = None,
+    ) -> None:
         self.name, self.config = config.name, config
         self.limiter = limiter
-        self.metrics = _Metrics(config.name, block_size)
+        self.metrics = _Metrics(config.name, block_size, monitoring)
         self.prices = Prices.from_config(config.prices)
         self.inflight = 0
 
@@ -493,7 +513,10 @@ class Gateway:
         }
         self.tenants = {
             t.name: Tenant(
-                t, RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min), config.block_size
+                t,
+                RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min),
+                config.block_size,
+                config.monitoring,
             )
             for t in config.tenants
         }
@@ -805,6 +828,7 @@ class Gateway:
                 if router is not None:
                     router.on_finish.remote(attempt)  # also when the client left during routing
                 if out is not None and decision is not None:  # an output came from the routed group
+                    _PIN_TTL.set(pin_ttl_s)  # what ``Gateway.account`` prices this request's writes at
                     account(merge_choices(list(lasts.values())) if lasts else out, decision.cached_tokens)
                 if finished and account is not no_account:  # internal requests are not the tenant's latency
                     timing.finish(time.monotonic())
@@ -828,11 +852,11 @@ class Gateway:
         write_ttl_s: float | None = None,
     ) -> None:
         """Record a request's usage and cost (at the tenant's prices; ``cached`` tokens are billed as cache reads,
-        ``write`` ones as written to an entry living ``write_ttl_s``, default the tenant's ``default_ttl``) in the
-        ledger and the tenant's metrics; a hit-rate drop this request reveals is logged and kept for the admin
-        API."""
+        ``write`` ones as written to an entry living ``write_ttl_s``: by default the pin TTL of the request
+        ``generate`` is accounting, else the tenant's ``default_ttl``) in the ledger and the tenant's metrics; a
+        hit-rate drop this request reveals is logged and kept for the admin API."""
         n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-        ttl = t.config.cache.default_ttl if write_ttl_s is None else write_ttl_s
+        ttl = write_ttl_s if write_ttl_s is not None else _PIN_TTL.get() or t.config.cache.default_ttl
         cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl)
         self.ledger.record(
             t.name,

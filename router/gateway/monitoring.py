@@ -20,32 +20,39 @@ WINDOWS = {"1m": 60.0, "5m": 300.0, "1h": 3600.0}
 
 
 class ShareWindows:
-    """Prompt and cached tokens (and requests) per ``BUCKET_S`` bucket over the last ``span_s``."""
+    """Prompt and cached tokens, requests and the best single request's share per ``BUCKET_S`` bucket over the
+    last ``span_s``."""
 
     def __init__(self, span_s: float = 3600.0 + 600.0, bucket_s: float = BUCKET_S) -> None:
         self.bucket_s = bucket_s
         self.span = int(span_s // bucket_s) + 1
-        self.buckets: deque[list[int]] = deque()  # [bucket index, requests, prompt tokens, cached tokens]
+        # [bucket index, requests, prompt tokens, cached tokens, best request share]
+        self.buckets: deque[list] = deque()
 
     def add(self, now: float, prompt: int, cached: int) -> None:
         i = int(now // self.bucket_s)
+        share = cached / prompt if prompt else 0.0
         if self.buckets and self.buckets[-1][0] == i:
             b = self.buckets[-1]
-            b[1], b[2], b[3] = b[1] + 1, b[2] + prompt, b[3] + cached
+            b[1], b[2], b[3], b[4] = b[1] + 1, b[2] + prompt, b[3] + cached, max(b[4], share)
         else:
-            self.buckets.append([i, 1, prompt, cached])
+            self.buckets.append([i, 1, prompt, cached, share])
         while self.buckets and self.buckets[0][0] <= i - self.span:
             self.buckets.popleft()
 
-    def totals(self, now: float, seconds: float, skip_s: float = 0.0) -> tuple[int, int, int]:
-        """(requests, prompt tokens, cached tokens) of the buckets in (now - skip - seconds, now - skip]."""
+    def _in(self, now: float, seconds: float, skip_s: float) -> list[list]:
         hi = int((now - skip_s) // self.bucket_s)
         lo = hi - int(round(seconds / self.bucket_s))
-        n = p = c = 0
-        for i, r, prompt, cached in self.buckets:
-            if lo < i <= hi:
-                n, p, c = n + r, p + prompt, c + cached
-        return n, p, c
+        return [b for b in self.buckets if lo < b[0] <= hi]
+
+    def totals(self, now: float, seconds: float, skip_s: float = 0.0) -> tuple[int, int, int]:
+        """(requests, prompt tokens, cached tokens) of the buckets in (now - skip - seconds, now - skip]."""
+        rows = self._in(now, seconds, skip_s)
+        return sum(b[1] for b in rows), sum(b[2] for b in rows), sum(b[3] for b in rows)
+
+    def best(self, now: float, seconds: float, skip_s: float = 0.0) -> float:
+        """The highest cache-read share of a single request in that window."""
+        return max((b[4] for b in self._in(now, seconds, skip_s)), default=0.0)
 
     def share(self, now: float, seconds: float, skip_s: float = 0.0) -> float:
         _, p, c = self.totals(now, seconds, skip_s)
@@ -62,6 +69,8 @@ class Alert:
     share_now: float  # ... over the last window
     block: int  # the first block where the current prompt differs from the last one that hit well
     token: int  # the first token that differs (block = token // block_size)
+    window_s: float = 60.0
+    baseline_s: float = 300.0
 
     def public(self) -> dict[str, Any]:
         return {k: round(v, 4) if isinstance(v, float) and k != "time" else v for k, v in asdict(self).items()}
@@ -69,8 +78,8 @@ class Alert:
     def message(self) -> str:
         return (
             f"hit-rate drop: tenant {self.tenant}'s cache-read share fell to {self.share_now:.2f} over the last "
-            f"minute from {self.share_before:.2f} over the 5 minutes before; prompts stopped matching at block "
-            f"{self.block} (token {self.token}): did a release change the prompt prefix there?"
+            f"{self.window_s:.0f} s from {self.share_before:.2f} over the {self.baseline_s:.0f} s before; prompts "
+            f"stopped matching at block {self.block} (token {self.token}): did a release change the prompt there?"
         )
 
 
@@ -86,6 +95,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DropAlarm:
+    """One tenant's hit-rate drop alarm (see the module's doc). It fires when, with a steady baseline (at least
+    ``2 * min_requests`` requests and a share of ``min_share`` over the ``baseline_s`` before the last window):
+    the share over the last ``window_s`` is below ``drop_ratio`` of the baseline's, and each of the last
+    ``streak`` requests read less than ``drop_ratio`` of the best single request of the baseline. The second
+    test is what a prefix change does (every request loses its hit) and a run of new conversations does not
+    (some still hit fully), so bursts of misses do not fire it."""
+
     def __init__(
         self,
         tenant: str,
@@ -95,6 +111,7 @@ class DropAlarm:
         drop_ratio: float = 0.5,
         min_share: float = 0.2,
         min_requests: int = 5,
+        streak: int = 10,
         recover_ratio: float = 0.8,
     ) -> None:
         self.tenant, self.block_size = tenant, block_size
@@ -102,6 +119,7 @@ class DropAlarm:
         self.drop_ratio, self.min_share, self.min_requests = drop_ratio, min_share, min_requests
         self.recover_ratio = recover_ratio
         self.windows = ShareWindows(span_s=max(3600.0, window_s + baseline_s) + 600.0)
+        self.recent: deque[float] = deque(maxlen=streak)
         self.active: Alert | None = None
         self.fired = 0
         self._reference: list[int] | None = None  # the last prompt that hit well while the share was steady
@@ -111,23 +129,33 @@ class DropAlarm:
         drop, else None."""
         now = time.time() if now is None else now
         prompt = len(prompt_ids)
+        share = cached / prompt if prompt else 0.0
         self.windows.add(now, prompt, cached)
+        self.recent.append(share)
         base_n, base_p, base_c = self.windows.totals(now, self.baseline_s, skip_s=self.window_s)
         cur_n, cur_p, cur_c = self.windows.totals(now, self.window_s)
         base = base_c / base_p if base_p else 0.0
         cur = cur_c / cur_p if cur_p else 0.0
+        best = self.windows.best(now, self.baseline_s, skip_s=self.window_s)
         steady = base_n >= 2 * self.min_requests and base >= self.min_share
         if self.active is not None:
             before = self.active.share_before
             if cur >= self.recover_ratio * before or base <= self.drop_ratio * before:
                 self.active = None  # recovered, or the low share is the new baseline: armed again
             return None
-        if steady and cur_n >= self.min_requests and cur < self.drop_ratio * base:
+        if (
+            steady
+            and cur_n >= self.min_requests
+            and cur < self.drop_ratio * base
+            and len(self.recent) == self.recent.maxlen
+            and max(self.recent) < self.drop_ratio * best
+        ):
             token = common_prefix(self._reference, prompt_ids) if self._reference is not None else 0
-            self.active = Alert(self.tenant, now, base, cur, token // self.block_size, token)
+            block = token // self.block_size
+            self.active = Alert(self.tenant, now, base, cur, block, token, self.window_s, self.baseline_s)
             self.fired += 1
             return self.active
-        if prompt and cached / prompt >= self.drop_ratio * max(base, self.min_share):
+        if share > 0 and share >= self.recover_ratio * best:
             self._reference = prompt_ids
         return None
 
