@@ -26,6 +26,7 @@ from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from worker.attention import get_backend
+from worker.distributed import tp_size
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
 from worker.model_runner import ModelRunner
@@ -163,7 +164,9 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_path)
         tiers = None
         if self.runner.tiers is not None:
-            tiers = TierIndex(self.runner.tiers, self.runner.stage_kv, event_sink, config.tenant_shares)
+            tiers = TierIndex(
+                self.runner.tiers, self.runner.stage_kv, event_sink, config.tenant_shares, async_reads=tp_size() == 1
+            )
             self.runner.defer_tier_writes = True  # queued at the end of step(), once its tokens are out
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.hash_algo, event_sink, config.tenant_shares, tiers
@@ -505,6 +508,7 @@ class Engine:
                 tiers.store.flush()
                 if time.monotonic() > deadline:
                     break
+        tiers.close()
         tiers.store.close()  # waits for the queued writes
 
     def reset_prefix_cache(self) -> bool:

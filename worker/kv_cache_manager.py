@@ -69,11 +69,16 @@ class KVCacheManager:
         ``max_seqs`` waiting requests past what the GPU pool and host RAM hold."""
         if self.tiers is None or self.tiers.disk is None:
             return
+        self.tiers.poll()
         for seq in itertools.islice(waiting, max_seqs):
             keys = self.keys_of(seq, (seq.num_tokens - 1) // self.block_size)
             start = len(self._pool.cached_prefix(keys))
             start += self.tiers.host_run(keys[start:], seq.tenant)
             self.tiers.stage(keys[start:], seq.tenant)
+
+    def is_loading(self, key: bytes) -> bool:
+        """Whether a disk read is bringing ``key``'s block into host RAM now (its request waits for it)."""
+        return self.tiers is not None and key in self.tiers.loading
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""

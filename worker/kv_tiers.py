@@ -32,6 +32,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -457,6 +458,7 @@ class TierIndex:
         stage_fn: StageFn | None = None,
         sink: EventSink | None = None,
         shares: dict[str, float] | None = None,
+        async_reads: bool = False,
     ) -> None:
         self.store = store
         self.stage_fn = stage_fn or store.stage
@@ -469,6 +471,13 @@ class TierIndex:
                 store.num_disk_slots, _TierSink(sink, Tier.DISK), shares, on_evict=self._on_disk_evict
             )
         self._ops = _Pending()
+        # One rank: disk reads run on a reader thread while the engine steps, and a request waits for its blocks
+        # (``loading``); under tensor parallelism every rank reads in lockstep instead (``stage_fn``).
+        self._reader: ThreadPoolExecutor | None = None
+        if async_reads and self.disk is not None:
+            self._reader = ThreadPoolExecutor(1, "kvgrid-kv-read")
+        self._reads: list[tuple[str, list[bytes], Future, float]] = []
+        self.loading: set[bytes] = set()  # keys a disk read is bringing into host RAM
         self._held: list[Block] = []  # host blocks an op of the coming step reads or writes
         self._applying: list[Block] = []  # ... of the step running now
         self.stats = {Tier.HOST: TierStats(capacity=store.num_host_slots), Tier.DISK: TierStats()}
@@ -625,6 +634,12 @@ class TierIndex:
             if db is None or db.tenant != tenant:
                 break
             run.append(key)
+        if self._reader is not None:
+            run = [k for k in run[: self.host.num_blocks // 2] if k not in self.loading]
+            if run and run[0] == keys[0]:
+                self._reads.append((tenant, run, self._reader.submit(self._read_run, run, tenant), time.perf_counter()))
+                self.loading.update(run)
+            return 0
         # Leave half the host tier for the blocks this step evicts.
         run = run[: max(0, self.host.num_free - self.host.num_blocks // 2)]
         if not run:
@@ -649,6 +664,66 @@ class TierIndex:
             st.bad += 1
             self.disk.drop(run[n])
         return n
+
+    def _read_run(self, run: list[bytes], tenant: str) -> list[bytearray]:
+        """(The reader thread) the payloads of the leading blocks of ``run`` that pass every check."""
+        out = []
+        for key in run:
+            payload = self.store._read(key, tenant)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def poll(self) -> None:
+        """Take in the disk reads that finished: their blocks go to host RAM (where admission loads them from); a
+        file that failed its checks is dropped and deleted. Before the step is scheduled."""
+        if not self._reads:
+            return
+        assert self.disk is not None
+        left = []
+        for tenant, run, fut, t0 in self._reads:
+            if not fut.done():
+                left.append((tenant, run, fut, t0))
+                continue
+            self.loading.difference_update(run)
+            try:
+                payloads = fut.result()
+            except Exception as exc:  # the reader failed: the blocks are computed
+                _log.warning("kv disk tier read failed: %s", exc)
+                continue
+            n = 0
+            for key, payload in zip(run, payloads):
+                db = self.disk.lookup(key)
+                if db is None or db.tenant != tenant:
+                    break  # dropped meanwhile (a reset, or evicted)
+                if self.host.lookup(key) is None:
+                    if self.host.num_free == 0:
+                        break
+                    [hb] = self.host.allocate(1, tenant)
+                    self.store.host[hb.block_id].copy_(
+                        torch.frombuffer(payload, dtype=torch.uint8).view(self.store.dtype).view(self.store.block_shape)
+                    )
+                    self.host.cache([hb], [key], db.parent, tenant)
+                    self.host.free([hb])
+                self.disk.touch([db])
+                self.disk.free([db])
+                n += 1
+            st = self.stats[Tier.DISK]
+            st.hits += n
+            st.loads += n
+            st.load_bytes += n * self.block_bytes
+            st.load_s += time.perf_counter() - t0
+            if len(payloads) < len(run):  # that file failed its checks
+                st.bad += 1
+                if self.disk.drop(run[len(payloads)]):
+                    self.store.delete(run[len(payloads)])
+        self._reads = left
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._reader = None
 
     # -- steps
 

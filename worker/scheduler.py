@@ -89,8 +89,10 @@ class Scheduler:
             prefix = self.kv.find_prefix(seq)
             lower = self.kv.find_lower(seq, len(prefix))  # blocks host RAM holds after the GPU prefix: loaded
             nxt = len(prefix) + lower
-            if nxt < len(seq.block_keys) and seq.block_keys[nxt] in self.inflight:
-                continue  # another request is computing this block: take it from the cache next step
+            if nxt < len(seq.block_keys) and (
+                seq.block_keys[nxt] in self.inflight or self.kv.is_loading(seq.block_keys[nxt])
+            ):
+                continue  # another request is computing this block (or it is read from disk): take it next step
             n = min(seq.num_tokens - nxt * self.kv.block_size, budget)
             if not self.kv.can_admit(seq, prefix, n, lower):
                 break  # first come, first served on memory
