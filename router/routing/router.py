@@ -234,7 +234,9 @@ class Router:
         a group that joins or leaves moves only the keys that map to it."""
 
         def weight(group: str) -> bytes:
-            return hashlib.blake2b(f"{tenant}\0{cache_key}\0{group}".encode(), digest_size=8).digest()
+            return hashlib.blake2b(
+                f"{tenant}\0{cache_key}\0{group}".encode("utf-8", "surrogatepass"), digest_size=8
+            ).digest()
 
         group = max(groups, key=weight)
         least = min(load.queued_prefill_tokens for load in groups.values())
