@@ -55,6 +55,8 @@ def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_f
             "completion_tokens": 3,
             "total_tokens": 10,
             "prompt_tokens_details": {"cached_tokens": 4},
+            "prompt_cache_hit_tokens": 4,  # DeepSeek's names, consistent with the OpenAI ones
+            "prompt_cache_miss_tokens": 3,
         },
     }
     assert sse_data(p.OpenAIStreamError(error=p.OpenAIStreamErrorDetail(message="m", type="api_error")).sse()) == {
@@ -84,6 +86,8 @@ def test_openai_bodies_keep_their_nulls():
             "completion_tokens": 1,
             "total_tokens": 3,
             "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_cache_hit_tokens": 0,
+            "prompt_cache_miss_tokens": 2,
         },
     }
     text = p.TextCompletion(
@@ -100,7 +104,11 @@ def test_openai_bodies_keep_their_nulls():
 
 def test_anthropic_events_are_named_by_their_type_and_carry_it():
     usage = p.AnthropicUsage(
-        input_tokens=5, cache_creation_input_tokens=16, cache_read_input_tokens=32, output_tokens=0
+        input_tokens=5,
+        cache_creation_input_tokens=16,
+        cache_read_input_tokens=32,
+        output_tokens=0,
+        cache_creation=p.CacheCreation(ephemeral_1h_input_tokens=16),
     )
     start = p.MessageStart(
         message=p.AnthropicMessageReply(
@@ -124,6 +132,7 @@ def test_anthropic_events_are_named_by_their_type_and_carry_it():
                 "cache_creation_input_tokens": 16,
                 "cache_read_input_tokens": 32,
                 "output_tokens": 0,
+                "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 16},
             },
         },
     }

@@ -10,6 +10,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import Request
 
@@ -22,6 +23,7 @@ from router.gateway.protocol import (
     AnthropicMessageReply,
     AnthropicUsage,
     CacheControl,
+    CacheCreation,
     ContentBlock,
     ContentBlockDelta,
     ContentBlockStart,
@@ -47,6 +49,7 @@ from router.gateway.tools import CallStream, Tooling, anthropic_tooling, parse_c
 API = "anthropic"
 MAX_BREAKPOINTS = 4
 MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
+FIVE_MINUTES_S = 300.0  # a write for longer counts as a one-hour one in usage.cache_creation
 
 routes = Routes()  # bound to one AnthropicApi by create_app
 
@@ -59,6 +62,35 @@ def _stop_reason(out: RequestOutput) -> str:
 
 def _stop_sequence(out: RequestOutput) -> str | None:
     return out.stop_reason if isinstance(out.stop_reason, str) else None
+
+
+class Claim(NamedTuple):
+    """What a request's cache entries claim before it runs: ``write`` tokens of its marked prefix to write after
+    ``read`` tokens to read, the TTL of each breakpoint (``ttl_at``: end position -> seconds) and the TTL of
+    what lies past the last one (a cached content's)."""
+
+    write: int
+    read: int
+    ttl_at: dict[int, float]
+    fallback_ttl: float
+
+    def split(self, start: int, n: int) -> CacheCreation:
+        """The written tokens ``start .. start + n`` by TTL: each token is written for the TTL of the first
+        breakpoint after it; a TTL over five minutes counts as Anthropic's one-hour kind."""
+        long = 0
+        pos = start
+        for end in sorted(self.ttl_at):
+            if end <= pos:
+                continue
+            upto = min(end, start + n)
+            if upto > pos and self.ttl_at[end] > FIVE_MINUTES_S:
+                long += upto - pos
+            pos = max(pos, upto)
+            if pos >= start + n:
+                break
+        if pos < start + n and self.fallback_ttl > FIVE_MINUTES_S:
+            long += start + n - pos
+        return CacheCreation(ephemeral_5m_input_tokens=n - long, ephemeral_1h_input_tokens=long)
 
 
 class AnthropicApi:
@@ -114,6 +146,7 @@ class AnthropicApi:
                 claim_read = pos
                 break
         claim_write = max(0, pin_tokens - claim_read) if entries else 0
+        claim = Claim(claim_write, claim_read, ttl_at, pin_ttl)
         params = gw.params(
             body.max_tokens,
             body.temperature,
@@ -127,7 +160,7 @@ class AnthropicApi:
         writes: list[asyncio.Task] = []  # the entry writes, awaited before the response ends
 
         def account(out: RequestOutput, predicted: int) -> None:
-            usage = self._usage(t, out, claim_write, claim_read)
+            usage = self._usage(t, out, claim)
             r, w = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
             gw.account(t, out, predicted, r, w, r)
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
@@ -140,8 +173,8 @@ class AnthropicApi:
         if body.stream:
             run = await primed(run)
             if tooling.parse:
-                return SlotStream(self._stream_tools(t, run, mid, claim_write, claim_read, writes, tooling))
-            return SlotStream(self._stream(t, run, mid, claim_write, claim_read, writes))
+                return SlotStream(self._stream_tools(t, run, mid, claim, writes, tooling))
+            return SlotStream(self._stream(t, run, mid, claim, writes))
         out, _ = await last(run)
         await gw.settle(writes)
         content: list[TextBlock | ToolUseBlock] = [TextBlock(text=out.text)]
@@ -153,7 +186,7 @@ class AnthropicApi:
                 content = [TextBlock(text=text)] if text else []
                 content += [ToolUseBlock(id=c.id, name=c.name, input=c.input) for c in calls]
                 reason = "tool_use" if out.finish_reason == "stop" else reason
-        return self._reply(mid, content, reason, _stop_sequence(out), self._usage(t, out, claim_write, claim_read))
+        return self._reply(mid, content, reason, _stop_sequence(out), self._usage(t, out, claim))
 
     @staticmethod
     def _tooling(body: MessagesRequest) -> Tooling:
@@ -242,33 +275,34 @@ class AnthropicApi:
             marks.append((end, seconds))
         return chat, marks
 
-    def _usage(self, t: Tenant, out: RequestOutput, claim_write: int, claim_read: int) -> AnthropicUsage:
+    def _usage(self, t: Tenant, out: RequestOutput, claim: Claim) -> AnthropicUsage:
         """Usage as the group saw it: a read is at most what the group actually reused (an entry that outlived
         its blocks, e.g. after a group restart, reads nothing); what of the marked prefix was not read is a
-        write, as far as the group could pin it."""
+        write, as far as the group could pin it, split by the TTL it was written for (``cache_creation``)."""
         n_prompt = len(out.prompt_token_ids)
-        if not claim_write and not claim_read:  # no breakpoint: implicit reuse, reported per the tenant's policy
-            read, write = self.gw.reported_cached(t, out.num_cached_tokens), 0
+        if not claim.write and not claim.read:  # no breakpoint: implicit reuse, reported per the tenant's policy
+            read, write, start = self.gw.reported_cached(t, out.num_cached_tokens), 0, 0
         else:
-            read = min(claim_read, out.num_cached_tokens)
-            write = min(claim_read + claim_write - read, max(0, out.num_pinned_tokens - read))
+            read = start = min(claim.read, out.num_cached_tokens)
+            write = min(claim.read + claim.write - read, max(0, out.num_pinned_tokens - read))
             read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
         return AnthropicUsage(
             input_tokens=n_prompt - write - read,
             cache_creation_input_tokens=write,
             cache_read_input_tokens=read,
             output_tokens=len(out.token_ids),
+            cache_creation=claim.split(start, write),
         )
 
     async def _stream(
-        self, t: Tenant, run: Run, mid: str, claim_write: int, claim_read: int, writes: list[asyncio.Task]
+        self, t: Tenant, run: Run, mid: str, claim: Claim, writes: list[asyncio.Task]
     ) -> AsyncIterator[str]:
         try:
             first = True
             out = None
             async for out, _ in run:
                 if first:  # the group has prefilled: its reuse is known
-                    usage = self._usage(t, out, claim_write, claim_read).model_copy(update={"output_tokens": 0})
+                    usage = self._usage(t, out, claim).model_copy(update={"output_tokens": 0})
                     yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
                     yield anthropic_event(ContentBlockStart(content_block=TextBlock(text="")))
                     first = False
@@ -279,7 +313,7 @@ class AnthropicApi:
                 yield anthropic_event(
                     MessageDelta(
                         delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
-                        usage=self._usage(t, out, claim_write, claim_read),
+                        usage=self._usage(t, out, claim),
                     )
                 )
                 await self.gw.settle(writes)  # the run ended, so its entry writes have started
@@ -292,8 +326,7 @@ class AnthropicApi:
         t: Tenant,
         run: Run,
         mid: str,
-        claim_write: int,
-        claim_read: int,
+        claim: Claim,
         writes: list[asyncio.Task],
         tooling: Tooling,
     ) -> AsyncIterator[str]:
@@ -331,7 +364,7 @@ class AnthropicApi:
             out = None
             async for out, _ in run:
                 if first:  # the group has prefilled: its reuse is known
-                    usage = self._usage(t, out, claim_write, claim_read).model_copy(update={"output_tokens": 0})
+                    usage = self._usage(t, out, claim).model_copy(update={"output_tokens": 0})
                     yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
                     first = False
                 for ev in events(out):
@@ -345,7 +378,7 @@ class AnthropicApi:
                 yield anthropic_event(
                     MessageDelta(
                         delta=StopInfo(stop_reason=reason, stop_sequence=_stop_sequence(out)),
-                        usage=self._usage(t, out, claim_write, claim_read),
+                        usage=self._usage(t, out, claim),
                     )
                 )
                 await self.gw.settle(writes)  # the run ended, so its entry writes have started

@@ -490,6 +490,9 @@ class OpenAIUsage(_Reply):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # DeepSeek's names for the same split (its SDK users read these): hit = cached_tokens, hit + miss = prompt_tokens.
+    prompt_cache_hit_tokens: int
+    prompt_cache_miss_tokens: int
 
     @classmethod
     def of(cls, prompt: int, completion: int, cached: int) -> OpenAIUsage:
@@ -498,6 +501,8 @@ class OpenAIUsage(_Reply):
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            prompt_cache_hit_tokens=cached,
+            prompt_cache_miss_tokens=prompt - cached,
         )
 
 
@@ -664,11 +669,19 @@ class ToolUseBlock(_Reply):
     input: dict[str, Any]
 
 
+class CacheCreation(_Reply):
+    """Anthropic's split of ``cache_creation_input_tokens`` by the TTL the tokens were written for."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class AnthropicUsage(_Reply):
     input_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
     output_tokens: int
+    cache_creation: CacheCreation = CacheCreation()
 
 
 class AnthropicMessageReply(_Reply):
