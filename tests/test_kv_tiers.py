@@ -326,3 +326,19 @@ def test_serve_config_reaches_the_engine_config(tmp_path):
     assert ec.kv_tiers == KVTiersConfig(1 << 20, str(tmp_path), 1 << 22)
     assert ec.kv_tiers.for_group("g/0").disk_path == str(tmp_path / "g_0")  # one directory per group
     assert not _engine_config(ServeConfig.model_validate(base), "demo", "secret", False).kv_tiers.enabled
+
+
+def test_admin_metrics_read_the_tier_fields(demo_path):
+    from router.gateway.admin import _GAUGES
+
+    eng = make(demo_path, host_only())
+    rng = random.Random(10)
+    p = prompt(rng)
+    eng.generate([p], GREEDY)
+    fill(eng, rng)
+    eng.generate([p], GREEDY)
+    st = eng.stats()
+    fields = {f for _, _, f in _GAUGES}
+    assert {"host_blocks", "host_hit_blocks", "tier_load_bytes", "tier_load_seconds"} <= fields
+    values = {f: getattr(st, f) for f in fields}  # every gauge reads a field the stats have
+    assert values["host_blocks"] > 0 and values["host_hit_blocks"] >= 6 and values["tier_load_bytes"] > 0
