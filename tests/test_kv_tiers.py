@@ -342,3 +342,22 @@ def test_admin_metrics_read_the_tier_fields(demo_path):
     assert {"host_blocks", "host_hit_blocks", "tier_load_bytes", "tier_load_seconds"} <= fields
     values = {f: getattr(st, f) for f in fields}  # every gauge reads a field the stats have
     assert values["host_blocks"] > 0 and values["host_hit_blocks"] >= 6 and values["tier_load_bytes"] > 0
+
+
+def test_write_down_runs_in_bounded_rounds(demo_path, reference, tmp_path):
+    rng = random.Random(11)
+    p = prompt(rng)
+    eng = make(demo_path, with_disk(tmp_path))
+    eng.generate([p], GREEDY)  # 6 full blocks in the pool, none on disk yet
+    assert eng.stats().disk_blocks == 0
+    rounds = 0
+    for _ in eng.kv.write_down(round_blocks=2):  # what Engine.close does, two blocks at a time
+        rounds += 1
+        ops = eng.kv.take_tier_ops()
+        assert ops is not None and len(ops.offload) <= 2
+        eng.runner.run([], kv_ops=ops)
+        eng.kv.tier_step_done(0.0)
+    assert rounds >= 3 and eng.stats().disk_blocks >= 6  # 6 full blocks, 2 a round
+    eng.close()
+    out = make(demo_path, with_disk(tmp_path)).generate([p], GREEDY)[0]
+    assert out.num_cached_tokens == 6 * BS and out.token_ids == reference(p)

@@ -224,17 +224,21 @@ class KVCacheManager:
             self.tiers.reset()
         return True
 
-    def write_down(self) -> Iterator[None]:
+    def write_down(self, round_blocks: int = 1024) -> Iterator[None]:
         """Queue tier copies that put every cached GPU block the disk tier lacks on disk (through host RAM),
-        yielding after each round the host slots allow: the caller then runs the queued ops and resumes."""
+        yielding after each round (as many blocks as host RAM has free slots for, at most ``round_blocks``, which
+        bounds the copies queued for the writer at once): the caller then runs the queued ops and resumes."""
         assert self.tiers is not None
+        queued = 0
         for b in list(self._pool.key_to_block.values()):
             if b.key is None:
                 continue
-            if not self.tiers.copy_down(b.block_id, b.key, b.parent, b.tenant):
+            if queued >= round_blocks or not self.tiers.copy_down(b.block_id, b.key, b.parent, b.tenant):
                 yield
+                queued = 0
                 if not self.tiers.copy_down(b.block_id, b.key, b.parent, b.tenant):
                     return  # no host slot even after a round: give up
+            queued += 1
         yield
 
     def take_tier_ops(self) -> TierOps | None:
