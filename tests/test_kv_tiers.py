@@ -285,6 +285,8 @@ def test_tensor_parallel_group_reloads_and_keeps_its_disk_tier_across_a_restart(
         again = group.generate(first, GREEDY)
         assert again.num_cached_tokens == 6 * BS and again.token_ids == reference(first)
         group.generate(second, GREEDY)  # in the pool when the group stops
+        stray = tmp_path / "g-tiers" / "tp2-rank1" / file_name(b"\x01" * 16)
+        stray.write_bytes(b"not a block rank 0 knows")  # rank 1 only: rank 0 never indexes it
         group.restart()
         for p in (second, first):
             out = group.generate(p, GREEDY)
@@ -292,6 +294,7 @@ def test_tensor_parallel_group_reloads_and_keeps_its_disk_tier_across_a_restart(
         assert group.stats().disk_hit_blocks >= 12
         ranks = [tmp_path / "g-tiers" / f"tp2-rank{r}" for r in (0, 1)]
         assert all(len(list(d.glob("*.kvb"))) >= 12 for d in ranks)
+        assert not stray.exists()  # every rank keeps only what rank 0 indexed
     finally:
         group.shutdown()
 

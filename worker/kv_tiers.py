@@ -102,9 +102,12 @@ class TierOps(NamedTuple):
     disk_put: list[tuple[int, bytes, bytes | None, str]]  # (host slot, key, parent, tenant): write to disk
     disk_del: list[bytes]  # keys whose files go (the disk tier evicted them)
     load: list[tuple[int, int]]  # (host slot, GPU block): copied up for an admitted request
+    # After a start: the keys rank 0 indexed; every rank deletes its other block files (a rank's directory could
+    # hold files rank 0 dropped or never had), so that each stays within disk_bytes.
+    disk_keep: frozenset[bytes] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.offload or self.disk_put or self.disk_del or self.load)
+        return bool(self.offload or self.disk_put or self.disk_del or self.load or self.disk_keep is not None)
 
 
 class StagePlan(NamedTuple):
@@ -269,7 +272,7 @@ class TierStore:
                 gpu = torch.tensor([g for g, _ in ops.offload], device=kv_cache.device)
                 down = kv_cache.index_select(2, gpu).movedim(2, 0).contiguous().to("cpu")
                 self.host.index_copy_(0, torch.tensor([s for _, s in ops.offload]), down)
-        if ops.disk_put or ops.disk_del:
+        if ops.disk_put or ops.disk_del or ops.disk_keep is not None:
             self._pending.append(ops)
         if not ops.load:
             return 0.0
@@ -295,6 +298,8 @@ class TierStore:
         if self._writer is None:
             return
         for ops in pending:
+            if ops.disk_keep is not None:
+                self._writes.put(("keep", ops.disk_keep))
             for slot, key, parent, tenant in ops.disk_put:
                 # A copy: the slot may hold another block by the time the writer gets to it.
                 self._writes.put(("put", key, parent, tenant, self.host[slot].clone()))
@@ -356,6 +361,11 @@ class TierStore:
                         f.write(encode_header(self.fingerprint, key, parent, tenant, payload, self.mkey))
                         f.write(payload)
                     os.replace(tmp, path)
+                elif item[0] == "keep":
+                    names = {file_name(k) for k in item[1]}
+                    for path in self.dir.iterdir():
+                        if path.suffix == ".tmp" or (path.suffix == _SUFFIX and path.name not in names):
+                            path.unlink(missing_ok=True)
                 else:
                     (self.dir / file_name(item[1])).unlink(missing_ok=True)
             except OSError as exc:  # a full or failing disk: that block is not kept (a later load misses)
@@ -447,6 +457,7 @@ class _Pending:
     disk_put: list[tuple[int, bytes, bytes | None, str]] = field(default_factory=list)
     disk_del: list[bytes] = field(default_factory=list)
     load: list[tuple[int, int]] = field(default_factory=list)
+    disk_keep: frozenset[bytes] | None = None
 
 
 class TierIndex:
@@ -501,6 +512,7 @@ class TierIndex:
             self.disk.cache([b], [h.key], h.parent, h.tenant)
             self.disk.free([b])
             n += 1
+        self._ops.disk_keep = frozenset(self.disk.key_to_block)
         return n
 
     # -- GPU eviction
@@ -733,7 +745,7 @@ class TierIndex:
         ops, self._ops = self._ops, _Pending()
         self._applying.extend(self._held)
         self._held = []
-        return TierOps(ops.offload, ops.disk_put, ops.disk_del, ops.load)
+        return TierOps(ops.offload, ops.disk_put, ops.disk_del, ops.load, ops.disk_keep)
 
     def step_done(self, load_s: float = 0.0) -> None:
         """The step ran the ops ``take_ops`` gave it (and queued their disk writes): release their host slots."""
