@@ -181,3 +181,15 @@ def test_each_choice_keeps_its_own_structured_output_state(shared_engine):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
     assert len({o.text for o in outs}) > 1
+
+
+def test_the_router_counts_n_choices_as_n_running_requests_after_one_prefill():
+    from router.routing.router import Router
+
+    router = Router(["a", "b"], b"secret", block_size=16)
+    d = router.route("acme", list(range(40)), "r1", n=4)
+    assert router.loads[d.group].queued_prefill_tokens == 40  # the prompt once
+    router.on_prefill_done("r1")
+    assert router.loads[d.group].running == 4 and router.loads[d.group].queued_prefill_tokens == 0
+    router.on_finish("r1")
+    assert router.loads[d.group].running == 0

@@ -35,7 +35,9 @@ class Replica:
         self.cancel_route = SimpleNamespace(remote=self.forgot.append)
         self.on_finish = SimpleNamespace(remote=self.finished.append)
 
-    async def _route(self, tenant: str, prompt: list[int], attempt: str, failed: list[str]):
+    async def _route(
+        self, tenant: str, prompt: list[int], attempt: str, failed: list[str], cache_key: str | None = None, n: int = 1
+    ):
         self.asked.append(attempt)
         self.asked_at.append(time.monotonic())
         if self.gate is not None:

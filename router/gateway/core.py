@@ -678,7 +678,14 @@ class Gateway:
     # -- routing and running -----------------------------------------------------------------------------------
 
     async def _route(
-        self, t: Tenant, prompt: list[int], attempt: str, failed: list[str], api: str, cache_key: str | None = None
+        self,
+        t: Tenant,
+        prompt: list[int],
+        attempt: str,
+        failed: list[str],
+        api: str,
+        cache_key: str | None = None,
+        n: int = 1,
     ) -> tuple[RouterHandle, RouteDecision]:
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
@@ -704,7 +711,7 @@ class Gateway:
         def ask() -> None:
             nonlocal asked
             timeout_s = ROUTE_TIMEOUT_S if asked < n - 1 else LAST_ROUTE_TIMEOUT_S
-            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed, cache_key)
+            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed, cache_key, n)
             pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
             asked += 1
 
@@ -800,7 +807,7 @@ class Gateway:
             lasts: dict[int, RequestOutput] = {}  # n > 1: each choice's latest output
             yielded = finished = False
             try:
-                router, decision = await self._route(t, prompt, attempt, failed, api, cache_key)
+                router, decision = await self._route(t, prompt, attempt, failed, api, cache_key, n)
                 req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s, n)
                 left = n
                 async for out in _outputs(self._client(decision), req, api):

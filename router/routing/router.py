@@ -42,6 +42,7 @@ class _Inflight:
     tenant: str = ""
     decoding: bool = False
     routed_at: float = 0.0
+    choices: int = 1  # n: the sequences it decodes once prefilled (its prompt is computed once)
     # What its route predicted (for ``cancel_route``): each key with the expiry it had for this group before,
     # None where it was not predicted there, and the expiry this route gave them all.
     predicted: list[tuple[bytes, float | None]] = field(default_factory=list)
@@ -168,15 +169,20 @@ class Router:
         request_id: str | None = None,
         exclude: Collection[str] = (),
         cache_key: str | None = None,
+        n: int = 1,
     ) -> RouteDecision:
         """Pick a group for this tenant's prompt (never a paused one, nor one in ``exclude``). Keys are hashed
         lazily: a prompt whose leading blocks no group holds costs a few hashes, not one per block. A
         ``cache_key`` (OpenAI's ``prompt_cache_key``) sends the request to its key's group whatever its blocks,
-        unless that group is overloaded (``key_group``)."""
+        unless that group is overloaded (``key_group``). ``n``: the request's choices, which prefill once and
+        then count as ``n`` running requests."""
         self.poll_events()
         root = self.root_key(tenant)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        return self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key)
+        decision = self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key)
+        if n > 1:
+            self._inflight[decision.request_id].choices = n
+        return decision
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
@@ -278,7 +284,7 @@ class Router:
         load = self.loads.get(f.group)
         if load is not None:
             load.queued_prefill_tokens -= f.prefill_tokens
-            load.running += 1
+            load.running += f.choices
 
     def on_finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed)."""
@@ -313,7 +319,7 @@ class Router:
         if load is None:
             return f
         if f.decoding:
-            load.running -= 1
+            load.running -= f.choices
         else:
             load.queued_prefill_tokens -= f.prefill_tokens
         return f

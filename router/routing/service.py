@@ -144,10 +144,11 @@ class RouterService:
         request_id: str | None = None,
         exclude: Sequence[str] = (),
         cache_key: str | None = None,
+        n: int = 1,
     ) -> RouteDecision:
         """A group for the request, with its leader's handle (groups come and go: callers keep no list)."""
         self._ensure_poller()
-        decision = self.router.route(tenant, token_ids, request_id, exclude, cache_key)
+        decision = self.router.route(tenant, token_ids, request_id, exclude, cache_key, n)
         decision.leader = self.leaders[decision.group]
         return decision
 
