@@ -34,6 +34,7 @@ ANCHOR_CHARS = 24  # the two prompts agree again when this many characters match
 MAX_SPAN_TOKENS, ANCHOR_TOKENS = 24, 8  # the same for prompts known only as token ids
 MIN_STABLE_BLOCKS = 2  # a stable span worth moving for is at least this many blocks long
 BREAKPOINT_WINDOW_S = 300.0  # a 5-minute entry: reuse within this long reads it
+BREAKPOINT_LOOKBACK = 64  # ... from one of the this many prompts before
 _WORD = re.compile(r"[0-9A-Za-z]")
 _JOIN = set("-:._+/")
 
@@ -330,13 +331,14 @@ def breakpoints(prompts: list[PromptView], block_size: int, prices: Prices, limi
     """Explicit tenants: prefix lengths at which a 5-minute ``cache_control`` breakpoint would pay. A prompt reads
     a breakpoint at ``L`` when an earlier prompt within 5 minutes shared its first ``L`` tokens, else writes it;
     the breakpoint pays when those reads save more than the writes cost over plain input (at the tenant's prices;
-    the anthropic preset's when it has none). Each place is judged on its own; at most ``limit``, best first."""
+    the anthropic preset's when it has none; the earlier prompts are the ``BREAKPOINT_LOOKBACK`` before it). Each
+    place is judged on its own; at most ``limit``, best first."""
     if not prices.priced:
         prices = Prices.from_config(PricesConfig(preset="anthropic"))
     reuse = []  # per prompt: tokens it shares with an earlier prompt within the window
     for k, p in enumerate(prompts):
         best = 0
-        for q in prompts[:k]:
+        for q in prompts[max(0, k - BREAKPOINT_LOOKBACK) : k]:
             if p.time - q.time <= BREAKPOINT_WINDOW_S:
                 best = max(best, common_prefix(q.token_ids, p.token_ids) + min(q.prefix_tokens, p.prefix_tokens))
         reuse.append(_blocks(best, block_size))

@@ -251,16 +251,15 @@ class _Metrics:
         self.windows = self.alarm.windows if self.alarm is not None else ShareWindows()
         self.clock = time.time  # the alarm's clock (a test's simulated one)
         self._prompt_total = self._cached_total = 0
-        for m in (self.requests, self.prompt, self.cached, self.output, self.hit_rate, self.predicted, self.actual):
-            m.labels(tenant)  # every series shows from the start, at 0
-        for c in (self.writes, self.cost, self.uncached_cost, self.alerts):
-            c.labels(tenant)
-        for h in (self.ttft, self.itl, self.e2e):
-            h.labels(tenant)
-        self.alert_active.labels(tenant)
-        self.alert_block.labels(tenant)
-        for w in WINDOWS:
-            self.window_rate.labels(tenant, w)
+        # Every series shows from the start, at 0; the children are kept (a labels() lookup per use costs more).
+        self._n = {
+            name: getattr(self, name).labels(tenant)
+            for name in (
+                *("requests", "prompt", "cached", "output", "predicted", "actual", "writes", "cost"),
+                *("uncached_cost", "alerts", "hit_rate", "alert_active", "alert_block", "ttft", "itl", "e2e"),
+            )
+        }
+        self._windows = {w: self.window_rate.labels(tenant, w) for w in WINDOWS}
 
     def record(
         self,
@@ -276,44 +275,43 @@ class _Metrics:
     ) -> Alert | None:
         """``cached``: the reuse reported to the client (the tenant's policy); ``actual``: what the group reused,
         against which the router's ``predicted`` is judged. The alarm's alert when this request starts a drop."""
-        t = self.tenant
-        self.requests.labels(t).inc()
-        self.prompt.labels(t).inc(prompt)
-        self.cached.labels(t).inc(cached)
-        self.output.labels(t).inc(output)
-        self.predicted.labels(t).inc(predicted)
-        self.actual.labels(t).inc(actual)
-        self.writes.labels(t).inc(write)
+        n = self._n
+        n["requests"].inc()
+        n["prompt"].inc(prompt)
+        n["cached"].inc(cached)
+        n["output"].inc(output)
+        n["predicted"].inc(predicted)
+        n["actual"].inc(actual)
+        n["writes"].inc(write)
         if cost is not None:
-            self.cost.labels(t).inc(dollars(cost.cost))
-            self.uncached_cost.labels(t).inc(dollars(cost.uncached_cost))
+            n["cost"].inc(dollars(cost.cost))
+            n["uncached_cost"].inc(dollars(cost.uncached_cost))
         self._prompt_total += prompt
         self._cached_total += cached
-        self.hit_rate.labels(t).set(self._cached_total / max(1, self._prompt_total))
+        n["hit_rate"].set(self._cached_total / max(1, self._prompt_total))
         now = self.clock() if now is None else now
         alert = None
         if self.alarm is not None:
             alert = self.alarm.observe(prompt_ids if prompt_ids is not None else [0] * prompt, cached, now)
-            self.alert_active.labels(t).set(0 if self.alarm.active is None else 1)
+            n["alert_active"].set(0 if self.alarm.active is None else 1)
         else:
             self.windows.add(now, prompt, cached)
         for w, seconds in WINDOWS.items():
-            self.window_rate.labels(t, w).set(self.windows.share(now, seconds))
+            self._windows[w].set(self.windows.share(now, seconds))
         if alert is not None:
-            self.alerts.labels(t).inc()
-            self.alert_block.labels(t).set(alert.block)
+            n["alerts"].inc()
+            n["alert_block"].set(alert.block)
         return alert
 
     def observe(self, timing: RequestTiming) -> None:
         """A finished request's latencies."""
-        t = self.tenant
         if timing.ttft is not None:
-            self.ttft.labels(t).observe(timing.ttft)
-        itl = self.itl.labels(t)
+            self._n["ttft"].observe(timing.ttft)
+        itl = self._n["itl"]
         for gap in timing.gaps:
             itl.observe(gap)
         if timing.e2e is not None:
-            self.e2e.labels(t).observe(timing.e2e)
+            self._n["e2e"].observe(timing.e2e)
 
 
 class Tenant:

@@ -28,9 +28,12 @@ class ShareWindows:
         self.span = int(span_s // bucket_s) + 1
         # [bucket index, requests, prompt tokens, cached tokens, best request share]
         self.buckets: deque[list] = deque()
+        self._frozen: dict[tuple, tuple[int, int, int, float]] = {}  # window -> sums of its buckets but the newest
 
     def add(self, now: float, prompt: int, cached: int) -> None:
         i = int(now // self.bucket_s)
+        if self.buckets and i < self.buckets[-1][0]:
+            i = self.buckets[-1][0]  # a clock that stepped back: counted in the newest bucket
         share = cached / prompt if prompt else 0.0
         if self.buckets and self.buckets[-1][0] == i:
             b = self.buckets[-1]
@@ -40,19 +43,38 @@ class ShareWindows:
         while self.buckets and self.buckets[0][0] <= i - self.span:
             self.buckets.popleft()
 
-    def _in(self, now: float, seconds: float, skip_s: float) -> list[list]:
+    def _window(self, now: float, seconds: float, skip_s: float) -> tuple[int, int, int, float]:
+        """(requests, prompt tokens, cached tokens, best share) of the buckets in (now - skip - seconds, now -
+        skip]. Only the newest bucket changes: the sums of the older ones are kept until a new bucket starts, so a
+        request reads a window in constant time."""
         hi = int((now - skip_s) // self.bucket_s)
         lo = hi - int(round(seconds / self.bucket_s))
-        return [b for b in self.buckets if lo < b[0] <= hi]
+        newest = self.buckets[-1] if self.buckets else None
+        key = (lo, hi, newest[0] if newest else None)
+        frozen = self._frozen.get(key)
+        if frozen is None:
+            n = p = c = 0
+            best = 0.0
+            for b in reversed(self.buckets):  # newest first
+                if b[0] <= lo:
+                    break
+                if b[0] <= hi and b is not newest:
+                    n, p, c, best = n + b[1], p + b[2], c + b[3], max(best, b[4])
+            if len(self._frozen) > 32:
+                self._frozen.clear()
+            frozen = self._frozen[key] = (n, p, c, best)
+        n, p, c, best = frozen
+        if newest is not None and lo < newest[0] <= hi:
+            n, p, c, best = n + newest[1], p + newest[2], c + newest[3], max(best, newest[4])
+        return n, p, c, best
 
     def totals(self, now: float, seconds: float, skip_s: float = 0.0) -> tuple[int, int, int]:
         """(requests, prompt tokens, cached tokens) of the buckets in (now - skip - seconds, now - skip]."""
-        rows = self._in(now, seconds, skip_s)
-        return sum(b[1] for b in rows), sum(b[2] for b in rows), sum(b[3] for b in rows)
+        return self._window(now, seconds, skip_s)[:3]
 
     def best(self, now: float, seconds: float, skip_s: float = 0.0) -> float:
         """The highest cache-read share of a single request in that window."""
-        return max((b[4] for b in self._in(now, seconds, skip_s)), default=0.0)
+        return self._window(now, seconds, skip_s)[3]
 
     def share(self, now: float, seconds: float, skip_s: float = 0.0) -> float:
         _, p, c = self.totals(now, seconds, skip_s)

@@ -51,18 +51,18 @@ class UsageApi:
                 API,
             )
         rows = await self.gw.samples.recent(t.name)
-        prompts = await asyncio.to_thread(self._views, rows)
-        report = advisor.advise(
-            prompts,
-            block_size=self.gw.config.block_size,
-            prices=t.prices,
-            explicit=t.config.cache.mode == "explicit",
-            min_prefix_tokens=1 if t.config.cache.mode == "explicit" else t.config.cache.min_prefix_tokens,
-        )
+        report = await asyncio.to_thread(self._advise, t, rows)  # seconds for a large sample: off the event loop
         return {"tenant": t.name, "sampled": len(rows), "sample_limit": sample, **report}
 
-    def _views(self, rows: list[dict]) -> list[advisor.PromptView]:
-        return [advisor.view_of_sample(row, self.gw.tokenizer) for row in rows]
+    def _advise(self, t: Tenant, rows: list[dict]) -> dict:
+        explicit = t.config.cache.mode == "explicit"
+        return advisor.advise(
+            [advisor.view_of_sample(row, self.gw.tokenizer) for row in rows],
+            block_size=self.gw.config.block_size,
+            prices=t.prices,
+            explicit=explicit,
+            min_prefix_tokens=1 if explicit else t.config.cache.min_prefix_tokens,
+        )
 
     # -- the admin view ------------------------------------------------------------------------------------
 
