@@ -238,7 +238,8 @@ class TierStore:
         self.fingerprint, self.mkey = fingerprint, mac_key(secret)
         self.num_host_slots = config.host_bytes // self.block_bytes if config.enabled else 0
         pin = device.type == "cuda"
-        self.host = torch.zeros((self.num_host_slots, *self.block_shape), dtype=dtype, pin_memory=pin)
+        # Not zeroed: a slot is read only after a block was copied into it (and pages are touched as slots fill).
+        self.host = torch.empty((self.num_host_slots, *self.block_shape), dtype=dtype, pin_memory=pin)
         self.dir: Path | None = None
         self.num_disk_slots = 0
         self._writes: queue.Queue = queue.Queue()
