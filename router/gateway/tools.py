@@ -125,8 +125,8 @@ def _partial_open(text: str) -> int:
 
 class CallStream:
     """Splits a streamed output into text and tool calls: ``feed`` each delta, ``finish`` at the end; each returns
-    (text to pass on now, calls completed now). Text that may begin a ``<tool_call>`` is held back until it is
-    known; a block that does not parse as a call is passed on as text."""
+    (text to pass on now, calls completed now). Text that may begin a ``<tool_call>`` (and whitespace that may
+    precede one) is held back until it is known; a block that does not parse as a call is passed on as text."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -153,9 +153,11 @@ class CallStream:
                 continue
             at = self._buf.find(OPEN)
             if at < 0:
-                hold = _partial_open(self._buf)
-                text.append(self._buf[: len(self._buf) - hold])
-                self._buf = self._buf[len(self._buf) - hold :]
+                keep = len(self._buf) - _partial_open(self._buf)
+                while keep and self._buf[keep - 1].isspace():  # may be the separator before a call
+                    keep -= 1
+                text.append(self._buf[:keep])
+                self._buf = self._buf[keep:]
                 break
             before = self._buf[:at]
             text.append(before.rstrip())  # the separator before a call is the template's, not text
