@@ -79,9 +79,14 @@ class PromptView:
 
 
 def view_of_messages(
-    tokenizer, messages: list[dict[str, Any]], generation: bool = True, at: float = 0.0, prefix_tokens: int = 0
+    tokenizer,
+    messages: list[dict[str, Any]],
+    generation: bool = True,
+    at: float = 0.0,
+    prefix_tokens: int = 0,
+    tools: list[dict] | None = None,
 ) -> PromptView:
-    chat = encode_chat(tokenizer, messages, add_generation_prompt=generation)
+    chat = encode_chat(tokenizer, messages, add_generation_prompt=generation, tools=tools)
     return PromptView(
         token_ids=chat.token_ids,
         text=chat.text,
@@ -97,7 +102,12 @@ def view_of_sample(row: dict[str, Any], tokenizer) -> PromptView:
     """A prompt the gateway sampled (router/gateway/core.py ``Gateway.sample``): messages, or token ids."""
     if row.get("messages") is not None:
         return view_of_messages(
-            tokenizer, row["messages"], bool(row.get("gen", True)), float(row.get("t", 0)), int(row.get("prefix", 0))
+            tokenizer,
+            row["messages"],
+            bool(row.get("gen", True)),
+            float(row.get("t", 0)),
+            int(row.get("prefix", 0)),
+            row.get("tools"),
         )
     return PromptView(token_ids=list(row.get("token_ids", [])), time=float(row.get("t", 0)))
 
@@ -394,7 +404,8 @@ def view_of_text(tokenizer, text: str, at: float = 0.0) -> PromptView:
 
 def load_jsonl(path: str, tokenizer) -> list[PromptView]:
     """Prompts from a JSONL file, one a line, oldest first: ``{"messages": [{"role": ..., "content": ...}]}`` (a
-    chat, rendered with the model's template), ``{"prompt": "text"}`` or ``{"token_ids": [...]}``; each may carry
+    chat, rendered with the model's template, with its ``"tools"`` if given), ``{"prompt": "text"}`` or
+    ``{"token_ids": [...]}``; each may carry
     ``"t"`` (seconds; default the line number x 1 s). ValueError naming the line for anything else."""
     views = []
     with open(path) as f:
@@ -409,7 +420,8 @@ def load_jsonl(path: str, tokenizer) -> list[PromptView]:
             msgs = row.get("messages") if isinstance(row, dict) else None
             if isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
                 try:
-                    views.append(view_of_messages(tokenizer, msgs, at=at))
+                    tools = row.get("tools") if isinstance(row.get("tools"), list) else None
+                    views.append(view_of_messages(tokenizer, msgs, at=at, tools=tools))
                 except ValueError as exc:  # the chat template refused them
                     raise ValueError(f"{path} line {n}: messages: {exc}") from None
             elif isinstance(row.get("prompt"), str):

@@ -91,9 +91,11 @@ SETTLE_S = 1.0  # a response waits this long for the cache-entry writes of its r
 CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its background Redis writes
 
 routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
-# The messages of this request's chat prompt (messages, generation prompt, token ids), which ``admit`` samples for
-# the cache advisor: each request runs in its own task, so its own.
-_CHAT: ContextVar[tuple[list[dict[str, Any]], bool, list[int]] | None] = ContextVar("kvgrid_chat", default=None)
+# This request's chat prompt (messages, generation prompt, token ids, tools), which ``admit`` samples for the cache
+# advisor: each request runs in its own task, so its own.
+_CHAT: ContextVar[tuple[list[dict[str, Any]], bool, list[int], list[dict] | None] | None] = ContextVar(
+    "kvgrid_chat", default=None
+)
 # The pin TTL of the request ``generate`` is accounting (set just before it calls ``account``).
 _PIN_TTL: ContextVar[float | None] = ContextVar("kvgrid_pin_ttl", default=None)
 
@@ -616,6 +618,8 @@ class Gateway:
         row: dict[str, Any] = {"t": time.time()}
         if chat is not None and len(chat[2]) <= len(prompt) and prompt[len(prompt) - len(chat[2]) :] == chat[2]:
             row.update(messages=chat[0], gen=chat[1], prefix=len(prompt) - len(chat[2]))
+            if chat[3]:
+                row["tools"] = chat[3]
         else:
             row["token_ids"] = prompt
         self.spawn(self.samples.add(t.name, row, keep, t.config.advice.ttl))
@@ -634,7 +638,7 @@ class Gateway:
             prompt = encode_chat(self.tokenizer, messages, add_generation_prompt=generation, tools=tools)
         except ChatTemplateError as exc:
             raise err(400, f"messages: {exc}", api) from None
-        _CHAT.set((messages, generation, prompt.token_ids))  # for the advisor's sample (``sample``)
+        _CHAT.set((messages, generation, prompt.token_ids, tools))  # for the advisor's sample (``sample``)
         return prompt
 
     async def cached_prefix(self, t: Tenant, cid: str | None, api: str) -> tuple[list[int], float]:

@@ -342,8 +342,12 @@ class PromptSamples(_Backed):
 
     async def add(self, tenant: str, sample: dict, keep: int, ttl_s: float) -> None:
         key = self.key(tenant)
+        try:
+            body = json.dumps(sample, separators=(",", ":"))
+        except (TypeError, ValueError):  # not plain JSON (a caller's object): not sampled
+            return
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.lpush(key, json.dumps(sample, separators=(",", ":")))
+            pipe.lpush(key, body)
             pipe.ltrim(key, 0, keep - 1)
             pipe.pexpire(key, _ms(ttl_s))
             await self._do(pipe.execute())
