@@ -364,3 +364,23 @@ def test_write_down_runs_in_bounded_rounds(demo_path, reference, tmp_path):
     eng.close()
     out = make(demo_path, with_disk(tmp_path)).generate([p], GREEDY)[0]
     assert out.num_cached_tokens == 6 * BS and out.token_ids == reference(p)
+
+
+def test_fingerprint_covers_every_layer_and_the_layout(demo_path):
+    import torch
+
+    from worker.kv_tiers import model_fingerprint
+
+    r = make(demo_path).runner
+
+    def fp(tp: int = 1, rank: int = 0) -> bytes:
+        return model_fingerprint(r.mcfg, r.model, r.dtype, BS, tp, rank)
+
+    before = fp()
+    assert fp() == before  # deterministic
+    params = list(r.model.state_dict().values())
+    middle = params[len(params) // 2]  # a middle layer's weight, as a fine-tune of that layer would change
+    with torch.no_grad():
+        middle.view(-1)[middle.numel() // 2] += 1.0
+    assert fp() != before
+    assert len({fp(), fp(2, 0), fp(2, 1)}) == 3

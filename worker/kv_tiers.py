@@ -138,17 +138,21 @@ class TierStats:
 def model_fingerprint(
     mcfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype, block_size: int, tp_size: int, tp_rank: int
 ) -> bytes:
-    """16 bytes naming what a block's K/V depends on: the model's config and weights (a hash of the first
-    64 KiB of a few tensors), the KV dtype, block size and the rank layout (which KV heads this rank holds)."""
+    """16 bytes naming what a block's K/V depends on: the model's config and weights (a hash of samples of every
+    tensor), the KV dtype, block size and the rank layout (which KV heads this rank holds)."""
     h = hashlib.sha256()
     conf = {k: v for k, v in asdict(mcfg).items() if k != "path"}
     h.update(json.dumps(conf, sort_keys=True, default=str).encode())
     h.update(f"|{_FORMAT_VERSION}|{dtype}|{block_size}|{tp_size}|{tp_rank}|".encode())
     params = list(model.state_dict().items())
-    for name, t in params[:4] + params[-4:]:
-        flat = t.detach().reshape(-1)[: 65536 // max(1, t.element_size())]
+    for i, (name, t) in enumerate(params):
+        # 64 KiB of the first and last four tensors, and 1 KiB from the middle of every other one (a fine-tune
+        # of any layer changes the fingerprint).
+        flat = t.detach().reshape(-1)
+        size = (65536 if i < 4 or i >= len(params) - 4 else 1024) // max(1, t.element_size())
+        mid = max(0, (flat.numel() - size) // 2) if size < flat.numel() and 4 <= i < len(params) - 4 else 0
         h.update(name.encode())
-        h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(flat[mid : mid + size].cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.digest()[:16]
 
 
