@@ -36,7 +36,7 @@ class ScriptedEngine:
         self.requests: list[str] = []
         self.aborted: list[str] = []
 
-    def add_request(self, prompt, params, tenant, rid, pin_tokens, pin_ttl_s) -> None:
+    def add_request(self, prompt, params, tenant, rid, pin_tokens, pin_ttl_s, n=1) -> None:
         self.requests.append(rid)
 
     def abort(self, rid: str) -> bool:
