@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install run lint test test-fast bench
+.PHONY: install system-tools run lint test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: install lint
+# tests/test_ray_up.py runs Ray's cluster launcher, which copies files to the nodes with rsync (Debian: apt-get).
+system-tools:
+	command -v rsync >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync)
+
+test: install lint system-tools
 	$(PY) -m pytest -q
 
 # The quick loop: every test but the slow ones (Ray, kvgrid serve, anything over a few seconds). CI runs `make test`.
