@@ -63,6 +63,12 @@ while True:
 """
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def pid_namespace(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
@@ -91,8 +97,10 @@ class Node:
         mounts.append(f"mount --rbind {shlex.quote(str(self.home))} {shlex.quote(str(USER_HOME))}")
         script = " && ".join([*mounts, f"exec {sys.executable} -c {shlex.quote(_REAPER)}"])
         with open(folder / "namespace.log", "wb") as log:
-            argv = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script]
-            self.unshare = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            # If the test process dies, unshare does (PR_SET_PDEATHSIG), and with it the node's init and so every
+            # process of the node (--kill-child): a crashed run leaves no cluster behind either.
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL", "sh", "-c", script]
+            self.unshare = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         wait_for(lambda: (self.tmp / ".node-ready").exists(), 30, f"the namespace of node {ip}")
         [init] = psutil.Process(self.unshare.pid).children()
         self.init_pid = init.pid
