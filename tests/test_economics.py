@@ -130,7 +130,7 @@ def test_ledger_cost_equals_the_hand_computation_for_every_preset(demo_path, red
         answers["_metrics"] = {"text": metrics}
         return answers
 
-    answers = asyncio.run(run())
+    answers = asyncio.run(asyncio.wait_for(run(), 120))  # a hang fails, never blocks the suite
     for name, spec in TENANTS.items():
         cost, uncached = _hand_cost(spec, workloads[name])
         got = answers[name]

@@ -164,7 +164,7 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
         await gw.close()
         return alerts, metrics, denied
 
-    alerts, metrics, denied = asyncio.run(run())
+    alerts, metrics, denied = asyncio.run(asyncio.wait_for(run(), 120))  # a hang fails, never blocks the suite
     assert denied == 401
     (alert,) = alerts["alerts"]
     assert alert["tenant"] == "acme" and alert["block"] == 21 and alert["token"] == 21 * BLOCK

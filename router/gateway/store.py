@@ -196,6 +196,7 @@ class UsageLedger:
         self._pending: dict[str, dict[str, int]] = {}
         self._sending: tuple[int, dict[str, dict[str, int]]] | None = None  # sent, not yet acknowledged
         self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
         self._apply = client.register_script(_APPLY_USAGE)
 
     def record(self, tenant: str, **counts: int) -> None:
@@ -218,12 +219,17 @@ class UsageLedger:
         """Start the background flusher in the running event loop (``record`` does it on first use)."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._stop = asyncio.Event()  # of this loop, unset
             self._task = loop.create_task(self._flush_forever(), name="kvgrid-usage-flush")
 
     async def _flush_forever(self) -> None:
         failing = False  # log when writing stops and starts working again, not every round in between
         while True:
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+                return  # close(): it writes the rest
+            except TimeoutError:
+                pass
             try:
                 await self.flush()
             except StoreUnavailable as exc:  # kept in the buffer; the next round tries again
@@ -289,9 +295,12 @@ class UsageLedger:
     async def close(self) -> None:
         """Stop the background flusher and write what is buffered (StoreUnavailable if Redis is down: those
         counts are lost with the process)."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:  # stopped between rounds, never cancelled inside a Redis call (which can hang it)
+            self._stop.set()
+            await asyncio.wait({task}, timeout=2 * self.deadline_s)
+            if not task.done():
+                task.cancel()
         await self.flush()
 
 
