@@ -28,7 +28,7 @@ async def pin_content(gw: Gateway, t: Tenant, tokens: list[int], ttl: float, req
     run = gw.generate(t, tokens, SamplingParams(max_tokens=1, temperature=0.0), api, len(tokens), ttl, no_account, True)
     out, predicted = await last(watched(request, run, api))
     read = min(out.num_cached_tokens, len(tokens))
-    gw.account(t, out, predicted, read, write=len(tokens) - read, read=read)
+    gw.account(t, out, predicted, read, write=len(tokens) - read, read=read, write_ttl_s=ttl)
 
 
 async def create_content(
