@@ -1,4 +1,5 @@
-"""Tenant isolation inside one engine: scheduling order, cache capacity under a flood, the pin budget."""
+"""Tenant isolation inside one engine: scheduling order, cache capacity under a flood, the pin budget; each test
+twice, without and with lower KV tiers (a host tier and a disk tier below the pool, with the pool's shares)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,26 @@ import pytest
 
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
+from worker.kv_tiers import KVTiersConfig
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
+BLOCK_BYTES = 64 * 2**10  # of the demo model, block size 16
 
 
-def engine(demo_path, **kw) -> Engine:
+@pytest.fixture(params=["no tiers", "tiers"], autouse=True)
+def tiers(request, tmp_path):
+    """Every test of this module runs without and with tiers of as many blocks as the test's pool."""
+    request.node.tiers = request.param == "tiers"
+    request.node.disk = tmp_path
+    yield
+
+
+def engine(demo_path, request, **kw) -> Engine:
+    if request.node.tiers:
+        blocks = kw.get("num_blocks", 64)
+        kw["kv_tiers"] = KVTiersConfig(
+            host_bytes=blocks * BLOCK_BYTES, disk_path=str(request.node.disk), disk_bytes=blocks * BLOCK_BYTES
+        )
     return Engine(EngineConfig(model=str(demo_path), device="cpu", secret=b"isolation-secret", **kw))
 
 
@@ -36,14 +52,14 @@ def schedule_trace(e: Engine, requests: list[tuple[str, list[int]]]) -> list[tup
     return [(rid, *first[rid]) for rid in ids]
 
 
-def test_scheduling_order_uses_only_the_requesting_tenants_hits(demo_path):
+def test_scheduling_order_uses_only_the_requesting_tenants_hits(demo_path, request):
     rng = random.Random(5)
     secret = [rng.randrange(5, 4000) for _ in range(160)]
     fresh = [rng.randrange(5, 4000) for _ in range(160)]
     batch = [("globex", secret + [7]), ("globex", fresh + [7]), ("globex", secret + [8])]
     traces = []
     for acme_cached in (secret, [rng.randrange(5, 4000) for _ in range(160)]):
-        e = engine(demo_path, num_blocks=64, max_num_batched_tokens=64)
+        e = engine(demo_path, request, num_blocks=64, max_num_batched_tokens=64)
         run(e, acme_cached + [1], "acme")  # acme has (or has not) cached globex's probe prompt
         traces.append(schedule_trace(e, batch))
     # Whether acme holds the prompt changes nothing globex can observe: order, step of first token, reuse.
@@ -53,19 +69,19 @@ def test_scheduling_order_uses_only_the_requesting_tenants_hits(demo_path):
     # Power check within one tenant: acme's own cached prompt gets its first token in fewer steps.
     own = []
     for cached in (True, False):
-        e = engine(demo_path, num_blocks=64, max_num_batched_tokens=64)
+        e = engine(demo_path, request, num_blocks=64, max_num_batched_tokens=64)
         if cached:
             run(e, secret + [1], "acme")
         own.append(schedule_trace(e, [("acme", secret + [9])])[0][1])
     assert own[0] < own[1]
 
 
-def test_a_flood_from_one_tenant_leaves_anothers_working_set_cached(demo_path):
+def test_a_flood_from_one_tenant_leaves_anothers_working_set_cached(demo_path, request):
     """Two tenants with equal shares of a 64-block pool: globex's working set (2 prefixes of 8 blocks) is far
     below its half, so acme's unique long prompts must not evict it: every globex request is a full hit."""
     rng = random.Random(9)
     prefixes = [[rng.randrange(5, 4000) for _ in range(128)] for _ in range(2)]
-    e = engine(demo_path, num_blocks=64, tenant_shares={"acme": 1.0, "globex": 1.0})
+    e = engine(demo_path, request, num_blocks=64, tenant_shares={"acme": 1.0, "globex": 1.0})
     for p in prefixes:
         run(e, p + [1], "globex")
     hits = []
@@ -74,16 +90,17 @@ def test_a_flood_from_one_tenant_leaves_anothers_working_set_cached(demo_path):
         hits.append(run(e, prefixes[i % 2] + [2 + i], "globex").num_cached_tokens)
     assert hits == [128] * 12
     # When globex's share is tiny its working set is over it, and the same flood evicts it: shares decide.
-    lru = engine(demo_path, num_blocks=64, tenant_shares={"acme": 50.0, "globex": 1.0})
+    lru = engine(demo_path, request, num_blocks=64, tenant_shares={"acme": 50.0, "globex": 1.0})
     for p in prefixes:
         run(lru, p + [1], "globex")
-    for _ in range(3):
+    # With tiers the flood must also fill them (64 + 64 blocks below the pool): they keep the shares too.
+    for _ in range(10 if request.node.tiers else 3):
         run(lru, [rng.randrange(5, 4000) for _ in range(400)], "acme")
     assert run(lru, prefixes[0] + [99], "globex").num_cached_tokens == 0
 
 
-def test_one_tenants_pins_cannot_use_up_anothers_pin_budget(demo_path):
-    e = engine(demo_path, num_blocks=40, tenant_shares={"acme": 1.0, "globex": 1.0})
+def test_one_tenants_pins_cannot_use_up_anothers_pin_budget(demo_path, request):
+    e = engine(demo_path, request, num_blocks=40, tenant_shares={"acme": 1.0, "globex": 1.0})
     assert e.pin_limit_blocks("acme") == e.pin_limit_blocks("globex") == 10  # half of 0.5 x 40 each
     rng = random.Random(2)
     pinned = 0
@@ -96,6 +113,6 @@ def test_one_tenants_pins_cannot_use_up_anothers_pin_budget(demo_path):
 
 
 @pytest.mark.parametrize("shares", [{"acme": 0.0}, {"acme": -1.0}])
-def test_shares_must_be_positive(demo_path, shares):
+def test_shares_must_be_positive(demo_path, request, shares):
     with pytest.raises(ValueError, match="positive"):
-        engine(demo_path, num_blocks=8, tenant_shares=shares)
+        engine(demo_path, request, num_blocks=8, tenant_shares=shares)

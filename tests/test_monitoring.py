@@ -156,7 +156,7 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
         traffic.change_prefix(21 * BLOCK)
         with caplog.at_level(logging.WARNING, logger="router.gateway.core"):
             feed(90)
-        await asyncio.sleep(0.2)  # the background write of the alert
+        await asyncio.gather(*gw._background)  # the background write of the alert has landed
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
             alerts = (await client.get("/admin/v1/alerts", headers={"x-api-key": ADMIN_KEY})).json()
             denied = (await client.get("/admin/v1/alerts", headers={"x-api-key": ACME_KEY})).status_code

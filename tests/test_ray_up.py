@@ -395,10 +395,14 @@ def raylet_ips(node: Node) -> list[str]:
 @pytest.mark.ray
 @pytest.mark.http
 def test_ray_up_on_premise_cluster_serves_scales_and_goes_away(demo_path):
+    # What the loopback machines need of this one; without it the test cannot run here (say why, do not fail).
     if shutil.which("rsync") is None:
-        pytest.fail("Ray's launcher copies files with rsync: install it (`make test` does: apt-get install rsync)")
-    busy = listening({HEAD, *WORKERS}, {SSH_PORT})
-    assert not busy, f"port {SSH_PORT} is taken on {busy}: the loopback nodes listen there"
+        pytest.skip("Ray's launcher copies files with rsync: install it (`make test` tries: apt-get install rsync)")
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.skip("the loopback nodes need root (port 22, PID and mount namespaces) and util-linux unshare/nsenter")
+    busy = listening({HEAD, *WORKERS, "0.0.0.0", "::"}, {SSH_PORT})
+    if busy:
+        pytest.skip(f"port {SSH_PORT} is taken on {busy} (an sshd?): the loopback nodes listen there")
     real_home = Path(os.path.expanduser("~"))
     home_before = {p.name for p in real_home.iterdir()}
     # Not under /tmp: every node mounts a private /tmp of its own over it.
@@ -569,7 +573,9 @@ def test_ray_up_on_premise_cluster_serves_scales_and_goes_away(demo_path):
         shutil.rmtree(base, ignore_errors=True)
     assert not leftovers, f"SSH control sockets left: {leftovers}"
     assert not base.exists()
-    assert {p.name for p in real_home.iterdir()} == home_before  # nothing written to the real HOME (no ~/.ssh)
+    # Nothing of the launcher in the real HOME (no ~/.ssh, no bootstrap key or config); other tests' caches may appear.
+    new_in_home = {p.name for p in real_home.iterdir()} - home_before
+    assert not new_in_home & {".ssh", "ray_bootstrap_key.pem", "ray_bootstrap_config.yaml", "kvgrid", ".kvgrid"}
 
 
 def _masters(control: Path) -> list[int]:

@@ -8,6 +8,7 @@ import random
 
 from harness import GLOBEX_KEY, an, chat, oa
 from router.gateway.anthropic_api import Claim
+from router.gateway.economics import Prices, request_cost
 
 WORDS = "north south river field stone amber quiet harbor lamp cedar frost ember willow".split()
 
@@ -29,6 +30,21 @@ def test_split_gives_each_written_token_the_ttl_of_the_next_breakpoint():
     assert Claim(0, 64, {}, 120.0).split(0, 64).ephemeral_5m_input_tokens == 64
     # A custom TTL over five minutes counts as the one-hour kind.
     assert Claim(16, 0, {16: 900.0}, 900.0).split(0, 16).ephemeral_1h_input_tokens == 16
+
+
+def test_mixed_ttl_writes_are_billed_each_at_its_own_ttl():
+    claim = Claim(write=96, read=0, ttl_at={32: 3600.0, 96: 300.0}, fallback_ttl=300.0)
+    assert claim.segments(0, 96) == [(32, 3600.0), (64, 300.0)]
+    assert claim.segments(40, 56) == [(56, 300.0)]
+    prices = Prices(input=3, output=15, cache_write_5m=4, cache_write_1h=6, cache_read=1, storage=7)
+    cost = request_cost(prices, prompt=100, read=0, write=96, output=5, segments=claim.segments(0, 96))
+    storage_s = 32 * 3600 + 64 * 300
+    by_hand = 4 * 3 + 32 * 6 + 64 * 4 + 5 * 15 + storage_s * 7 // 3600
+    assert (cost.cache_write_1h_tokens, cost.cache_write_5m_tokens) == (32, 64)
+    assert cost.storage_token_seconds == storage_s
+    assert abs(cost.cost - by_hand) <= 1  # the storage price per token-hour, rounded to a pico-dollar
+    # One TTL for all of it (the old way) would bill the 64 short tokens at the one-hour price.
+    assert request_cost(prices, 100, 0, 96, 5, 3600.0).cost > cost.cost
 
 
 def test_openai_usage_carries_deepseek_names(shared_server):

@@ -13,7 +13,7 @@ the ranks as ``TierOps`` inside each step's plan, so every rank moves its own KV
 * Admission: a request whose prefix continues past the GPU hit in host RAM gets fresh GPU blocks for those
   blocks, registered at once, and the step copies them in before its forward pass: only the rest is prefilled.
   A prefix that continues on disk is first read into host slots, before the step is scheduled (``stage``).
-* Safety: every file carries the fingerprint of the model (config, a hash of a few weight tensors), dtype, block
+* Safety: every file carries the fingerprint of the model (config, samples of every weight tensor), dtype, block
   size and rank layout, its key, parent key and tenant, and a MAC (keyed by the server secret) over all of it and
   an xxh3 digest of the payload. A file that is foreign, stale, truncated, corrupted or of another tenant (or key)
   is a miss: dropped, deleted, and the block is computed.

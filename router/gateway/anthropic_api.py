@@ -74,22 +74,29 @@ class Claim(NamedTuple):
     ttl_at: dict[int, float]
     fallback_ttl: float
 
-    def split(self, start: int, n: int) -> CacheCreation:
-        """The written tokens ``start .. start + n`` by TTL: each token is written for the TTL of the first
-        breakpoint after it; a TTL over five minutes counts as Anthropic's one-hour kind."""
-        long = 0
-        pos = start
+    def start(self, out: RequestOutput) -> int:
+        """Where the written part of the marked prefix begins: after what the group actually reused of the claim."""
+        return min(self.read, out.num_cached_tokens)
+
+    def segments(self, start: int, n: int) -> list[tuple[int, float]]:
+        """The written tokens ``start .. start + n`` as (tokens, TTL) runs: each token is written for the TTL of
+        the first breakpoint after it, past the last one for ``fallback_ttl``."""
+        out: list[tuple[int, float]] = []
+        pos, stop = start, start + n
         for end in sorted(self.ttl_at):
-            if end <= pos:
-                continue
-            upto = min(end, start + n)
-            if upto > pos and self.ttl_at[end] > FIVE_MINUTES_S:
-                long += upto - pos
-            pos = max(pos, upto)
-            if pos >= start + n:
+            if pos >= stop:
                 break
-        if pos < start + n and self.fallback_ttl > FIVE_MINUTES_S:
-            long += start + n - pos
+            if end > pos:
+                upto = min(end, stop)
+                out.append((upto - pos, self.ttl_at[end]))
+                pos = upto
+        if pos < stop:
+            out.append((stop - pos, self.fallback_ttl))
+        return out
+
+    def split(self, start: int, n: int) -> CacheCreation:
+        """The written tokens by Anthropic's two kinds: a TTL over five minutes counts as the one-hour kind."""
+        long = sum(k for k, ttl in self.segments(start, n) if ttl > FIVE_MINUTES_S)
         return CacheCreation(ephemeral_5m_input_tokens=n - long, ephemeral_1h_input_tokens=long)
 
 
@@ -162,7 +169,7 @@ class AnthropicApi:
         def account(out: RequestOutput, predicted: int) -> None:
             usage = self._usage(t, out, claim)
             r, w = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
-            gw.account(t, out, predicted, r, w, r)
+            gw.account(t, out, predicted, r, w, r, write_segments=claim.segments(claim.start(out), w))
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
                     writes.append(gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
@@ -283,7 +290,7 @@ class AnthropicApi:
         if not claim.write and not claim.read:  # no breakpoint: implicit reuse, reported per the tenant's policy
             read, write, start = self.gw.reported_cached(t, out.num_cached_tokens), 0, 0
         else:
-            read = start = min(claim.read, out.num_cached_tokens)
+            read = start = claim.start(out)
             write = min(claim.read + claim.write - read, max(0, out.num_pinned_tokens - read))
             read += max(0, out.num_cached_tokens - read - write)  # reuse past the breakpoint, honestly
         return AnthropicUsage(

@@ -859,14 +859,16 @@ class Gateway:
         write: int = 0,
         read: int = 0,
         write_ttl_s: float | None = None,
+        write_segments: list[tuple[int, float]] | None = None,
     ) -> None:
         """Record a request's usage and cost (at the tenant's prices; ``cached`` tokens are billed as cache reads,
         ``write`` ones as written to an entry living ``write_ttl_s``: by default the pin TTL of the request
-        ``generate`` is accounting, else the tenant's ``default_ttl``) in the ledger and the tenant's metrics; a
-        hit-rate drop this request reveals is logged and kept for the admin API."""
+        ``generate`` is accounting, else the tenant's ``default_ttl``; or, with ``write_segments``, runs of
+        (tokens, TTL) that add up to ``write``) in the ledger and the tenant's metrics; a hit-rate drop this request
+        reveals is logged and kept for the admin API."""
         n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
         ttl = write_ttl_s if write_ttl_s is not None else _PIN_TTL.get() or t.config.cache.default_ttl
-        cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl)
+        cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl, write_segments)
         self.ledger.record(
             t.name,
             requests=1,

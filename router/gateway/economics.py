@@ -137,30 +137,51 @@ def storage_cost(prices: Prices, token_seconds: int) -> int:
 
 
 def request_cost(
-    prices: Prices, prompt: int, read: int, write: int, output: int, write_ttl_s: float = SHORT_TTL_S
+    prices: Prices,
+    prompt: int,
+    read: int,
+    write: int,
+    output: int,
+    write_ttl_s: float = SHORT_TTL_S,
+    segments: list[tuple[int, float]] | None = None,
 ) -> RequestCost:
     """The cost of a request of ``prompt`` tokens of which ``read`` came from the cache and ``write`` were written
-    to an explicit entry living ``write_ttl_s``, and ``output`` tokens generated."""
+    to an explicit entry living ``write_ttl_s`` (or, with ``segments``, in runs of (tokens, TTL): an Anthropic
+    request's breakpoints may have different TTLs), and ``output`` tokens generated."""
     read, write = max(0, min(read, prompt)), max(0, write)
     write = min(write, prompt - read)
     fresh = prompt - read - write
-    long_ttl = write_ttl_s > SHORT_TTL_S
-    storage_s = round(write * write_ttl_s) if write else 0
+    runs = _runs(segments, write) if segments is not None else [(write, write_ttl_s)]
+    long = sum(k for k, ttl in runs if ttl > SHORT_TTL_S)
+    storage_s = sum(round(k * ttl) for k, ttl in runs if k)
     cost = (
         fresh * prices.input
         + read * prices.cache_read
-        + write * prices.write_price(write_ttl_s)
+        + sum(k * prices.write_price(ttl) for k, ttl in runs)
         + output * prices.output
         + storage_cost(prices, storage_s)
     )
     uncached = prompt * prices.input + output * prices.output
     return RequestCost(
-        cache_write_5m_tokens=0 if long_ttl else write,
-        cache_write_1h_tokens=write if long_ttl else 0,
+        cache_write_5m_tokens=write - long,
+        cache_write_1h_tokens=long,
         storage_token_seconds=storage_s,
         cost=cost,
         uncached_cost=uncached,
     )
+
+
+def _runs(segments: list[tuple[int, float]], write: int) -> list[tuple[int, float]]:
+    """``segments`` cut (from the end) or padded (at the last TTL) to exactly ``write`` tokens."""
+    out, left = [], write
+    for k, ttl in segments:
+        take = min(max(0, k), left)
+        if take:
+            out.append((take, ttl))
+        left -= take
+    if left:
+        out.append((left, segments[-1][1] if segments else SHORT_TTL_S))
+    return out
 
 
 def keep_cost(prices: Prices, tokens: int, seconds: float) -> int:
