@@ -88,7 +88,14 @@ class Node:
         self.home.mkdir(parents=True)
         self.tmp.mkdir()
         (self.home / ".bashrc").write_text(bashrc)
-        mounts = [f"mount --bind {shlex.quote(str(self.tmp))} /tmp"]
+        mounts = []
+        # A checkout (and its .venv) under /tmp stays visible under the node's own /tmp, at the same path: bound
+        # into the node's tmp first, which then goes over /tmp with its submounts (--rbind).
+        if ROOT.is_relative_to("/tmp"):
+            inside = self.tmp / ROOT.relative_to("/tmp")
+            inside.mkdir(parents=True)
+            mounts.append(f"mount --bind {shlex.quote(str(ROOT))} {shlex.quote(str(inside))}")
+        mounts.append(f"mount --rbind {shlex.quote(str(self.tmp))} /tmp")
         python = Path(sys.base_prefix)  # the venv's interpreter, which may live in the user's home (pyenv)
         if python.is_relative_to(USER_HOME):
             inside = self.home / python.relative_to(USER_HOME)
