@@ -144,6 +144,13 @@ class TenantConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     prices: PricesConfig | None = None  # None: usage is counted but not priced (every cost 0)
     advice: AdviceConfig = AdviceConfig()
+    # Keep explicit (cache_control) entries warm past their TTL while their reuse pays (router/gateway/keep_alive.py).
+    keep_alive: Literal["off", "auto"] = "off"
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @field_validator("name")
     @classmethod
@@ -187,6 +194,15 @@ class KVTiersServeConfig(_Strict):
         return self
 
 
+class RoutingConfig(_Strict):
+    """The router's cost policy (router/routing/policy.py; README "Tiers in the router"): what a hit a group holds in
+    host RAM or on disk costs, in prefill-token equivalents per token (a load's time counted in prefill time;
+    0.04 and 0.4 by default: 16k prefill tokens/s against loads of 400k and 40k tokens/s)."""
+
+    host_load_weight: float = Field(0.04, ge=0, allow_inf_nan=False)
+    disk_load_weight: float = Field(0.4, ge=0, allow_inf_nan=False)
+
+
 class ServeConfig(_Strict):
     model: str = "demo"
     block_size: int = Field(16, ge=1)
@@ -209,6 +225,7 @@ class ServeConfig(_Strict):
     decode_cpus_per_rank: int | None = Field(None, ge=1)
     cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
     kv_tiers: KVTiersServeConfig = KVTiersServeConfig()  # host RAM and disk under every group's KV cache (off)
+    routing: RoutingConfig = RoutingConfig()  # the router's tier load weights
     monitoring: MonitoringConfig = MonitoringConfig()
     tenants: list[TenantConfig] = Field(min_length=1)
 

@@ -5,6 +5,7 @@ tiers."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -259,3 +260,74 @@ def test_an_engine_with_a_host_tier_tells_routers_where_its_blocks_went(redis_cl
     sink.close()
     group = router.index.tier_counts()["g0"]
     assert group["host"] > 0 and group["gpu"] > 0
+
+
+def test_a_lower_tier_hit_queues_its_load_time_not_zero_or_a_recompute():
+    """The router's queued-prefill bookkeeping: a request routed to a group holding its prefix in host RAM or on
+    disk adds the tokens to compute plus the load's time there (tokens x the tier's load weight, rounded up), and
+    hands it all back when its prefill is done."""
+    router = Router(["g0", "g1", "g2"], SECRET, block_size=16)
+    tokens = prompt_of(8) + [7, 8, 9, 10, 11]  # 8 full blocks and 5 tokens past them
+    keys = router.keys_for("acme", tokens)
+    router.apply_event("g0", BlockStored(keys, None, Tier.HOST))
+    router.apply_event("g1", BlockStored(keys, None, Tier.DISK))
+    policy = router.policy
+    for group, host, disk in (("g0", 128, 0), ("g1", 0, 128), ("g2", 0, 0)):
+        d = router.route("acme", tokens, exclude=[g for g in ("g0", "g1", "g2") if g != group])
+        assert (d.group, d.host_tokens, d.disk_tokens) == (group, host, disk)
+        queued = router.loads[group].queued_prefill_tokens
+        computed = len(tokens) - host - disk  # 5 past the prefix; all 133 on g2, which holds nothing
+        assert queued == computed + math.ceil(policy.host_load_weight * host + policy.disk_load_weight * disk)
+        assert router.loads[group].recent_prefill_tokens == pytest.approx(queued, rel=1e-3)
+        assert router.queued_by_tenant["acme"] == queued
+        router.on_prefill_done(d.request_id)
+        assert router.loads[group].queued_prefill_tokens == 0 and "acme" not in router.queued_by_tenant
+        router.on_finish(d.request_id)
+    assert [router.loads[g].queued_prefill_tokens for g in ("g0", "g1", "g2")] == [0, 0, 0]
+    # 0.04 x 128 host tokens = 5.12 -> 6, 0.4 x 128 disk tokens = 51.2 -> 52: neither free nor a full recompute.
+    assert 5 < 5 + policy.load_tokens(128, 0) < 5 + policy.load_tokens(0, 128) < len(tokens)
+    # The weights are the policy's: a router whose policy charges disk loads like a recompute queues all of it.
+    slow = Router(["g1"], SECRET, block_size=16, policy=CacheAwarePolicy(disk_load_weight=1.0))
+    slow.apply_event("g1", BlockStored(keys, None, Tier.DISK))
+    slow.route("acme", tokens)
+    assert slow.loads["g1"].queued_prefill_tokens == len(tokens)
+
+
+def test_the_serve_configs_load_weights_reach_the_router_and_change_its_choice(tmp_path):
+    """``routing: {host_load_weight, disk_load_weight}`` in the serve config, validated, and handed to the router
+    replicas (router/control/serve.py passes ``cfg.routing.model_dump()`` as RouterService's policy_args): g0 holds
+    the prompt on disk and is idle, g1 holds it in its GPU pool with 40 tokens queued. At the default disk weight
+    (0.4 x 128 = 51.2 > 40) g1 wins; a faster disk (0.2: 25.6) sends it to g0."""
+    from common.config import ConfigError, RoutingConfig, ServeConfig, load_config
+    from router.routing.policy import DEFAULT_DISK_LOAD_WEIGHT, DEFAULT_HOST_LOAD_WEIGHT
+    from router.routing.service import RouterService
+
+    assert RoutingConfig() == RoutingConfig(
+        host_load_weight=DEFAULT_HOST_LOAD_WEIGHT, disk_load_weight=DEFAULT_DISK_LOAD_WEIGHT
+    )  # the config's defaults are the policy's
+    base = {"tenants": [{"name": "acme", "api_keys": ["sk-acme-12345"]}]}
+
+    def choice(cfg: ServeConfig) -> str:
+        service = RouterService({}, SECRET, 16, policy_args=cfg.routing.model_dump())
+        router = service.router
+        for g in ("g0", "g1"):
+            router.add_group(g)
+        tokens = prompt_of(8)
+        keys = router.keys_for("acme", tokens)
+        router.apply_event("g0", BlockStored(keys, None, Tier.DISK))
+        router.apply_event("g1", BlockStored(keys, None, Tier.GPU))
+        router.loads["g1"].queued_prefill_tokens = 40
+        return router.route("acme", tokens).group
+
+    default = ServeConfig.model_validate(base)
+    assert choice(default) == "g1"
+    fast_disk = ServeConfig.model_validate({**base, "routing": {"disk_load_weight": 0.2}})
+    assert fast_disk.routing.host_load_weight == DEFAULT_HOST_LOAD_WEIGHT
+    assert choice(fast_disk) == "g0"
+    path = tmp_path / "kvgrid.yaml"
+    for bad in ("-1", ".nan", ".inf", "fast"):
+        path.write_text(f"tenants: [{{name: acme, api_keys: [sk-acme-12345]}}]\nrouting: {{host_load_weight: {bad}}}\n")
+        with pytest.raises(ConfigError, match=r"routing\.host_load_weight"):
+            load_config(path)
+    with pytest.raises(ValueError, match="disk_load_weight"):
+        CacheAwarePolicy(disk_load_weight=-0.1)

@@ -114,6 +114,7 @@ def run(
                 max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
                 tenant_shares={t.name: t.cache.share for t in cfg.tenants},
                 supervisor=SUPERVISOR_NAME,
+                policy_args=cfg.routing.model_dump(),
             )
             for i in range(cfg.router_replicas)
         ]

@@ -3,6 +3,7 @@ baselines it is measured against."""
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -48,9 +49,25 @@ class RouteRequest:
         return cached - lower, lower - disk, disk
 
 
+def load_weight(load_tokens_per_s: float, prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> float:
+    """Prefill-token equivalents of loading one cached token: the time a load takes, counted in prefill time."""
+    if load_tokens_per_s <= 0 or prefill_tokens_per_s <= 0:
+        raise ValueError("load and prefill rates must be > 0 tokens/s")
+    return prefill_tokens_per_s / load_tokens_per_s
+
+
+DEFAULT_HOST_LOAD_WEIGHT = load_weight(DEFAULT_HOST_LOAD_TOKENS_PER_S)  # 0.04
+DEFAULT_DISK_LOAD_WEIGHT = load_weight(DEFAULT_DISK_LOAD_TOKENS_PER_S)  # 0.4
+
+
 class RoutingPolicy(ABC):
     name: str
     needs_all_keys = False  # True: RouteRequest.keys must hold every block's key, not only those matched
+    # Prefill-token equivalents of loading one cached token back into the GPU pool from host RAM and from disk
+    # (``load_weight``): what the router's queue bookkeeping charges a group for a lower-tier hit (``load_tokens``),
+    # and, in ``CacheAwarePolicy``, what such a hit costs.
+    host_load_weight = DEFAULT_HOST_LOAD_WEIGHT
+    disk_load_weight = DEFAULT_DISK_LOAD_WEIGHT
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
@@ -63,16 +80,14 @@ class RoutingPolicy(ABC):
         best = min(load_key(loads[g]) for g in groups)
         return self.rng.choice([g for g in groups if load_key(loads[g]) == best])
 
+    def load_tokens(self, host_tokens: int, disk_tokens: int) -> int:
+        """Prefill-token equivalents (rounded up) of loading ``host_tokens`` from host RAM and ``disk_tokens`` from
+        disk: the time those loads take on the group, counted in prefill time."""
+        return math.ceil(self.host_load_weight * host_tokens + self.disk_load_weight * disk_tokens)
+
 
 def load_key(load: GroupLoad) -> tuple[int, int]:
     return (load.queued_prefill_tokens, load.running)
-
-
-def load_weight(load_tokens_per_s: float, prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S) -> float:
-    """Prefill-token equivalents of loading one cached token: the time a load takes, counted in prefill time."""
-    if load_tokens_per_s <= 0 or prefill_tokens_per_s <= 0:
-        raise ValueError("load and prefill rates must be > 0 tokens/s")
-    return prefill_tokens_per_s / load_tokens_per_s
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -108,11 +123,14 @@ class CacheAwarePolicy(RoutingPolicy):
         decode_weight: float = 32.0,
         recompute_weight: float = 8.0,
         recent_weight: float = 0.1,
-        host_load_weight: float = load_weight(DEFAULT_HOST_LOAD_TOKENS_PER_S),
-        disk_load_weight: float = load_weight(DEFAULT_DISK_LOAD_TOKENS_PER_S),
+        host_load_weight: float = DEFAULT_HOST_LOAD_WEIGHT,
+        disk_load_weight: float = DEFAULT_DISK_LOAD_WEIGHT,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
+        for what, w in (("host_load_weight", host_load_weight), ("disk_load_weight", disk_load_weight)):
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"{what} must be a finite number >= 0, not {w}")
         self.decode_weight = decode_weight
         self.recompute_weight = recompute_weight
         self.recent_weight = recent_weight

@@ -38,7 +38,7 @@ class RouteDecision:
 @dataclass
 class _Inflight:
     group: str
-    prefill_tokens: int
+    prefill_tokens: int  # what it adds to its group's queue: tokens to compute, plus its lower-tier loads (weighted)
     tenant: str = ""
     decoding: bool = False
     routed_at: float = 0.0
@@ -228,7 +228,8 @@ class Router:
         gpu, host, disk = req.tier_tokens(group)
         hit = gpu + host + disk
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
-        f = self._start(rid, group, num_tokens - hit, tenant)
+        # Its queued work: the tokens no tier holds, plus the time loading the lower-tier ones takes there.
+        f = self._start(rid, group, num_tokens - hit + self.policy.load_tokens(host, disk), tenant)
         f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk)
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from router.routing.policy import make_policy
 from router.routing.router import RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -41,12 +42,14 @@ class RouterService:
         max_queued_prefill_tokens: int | None = None,
         tenant_shares: dict[str, float] | None = None,
         supervisor: str | None = None,
+        policy_args: dict[str, float] | None = None,
     ) -> None:
+        # policy_args: the policy's settings (the serve config's routing: its tier load weights)
         self.router = Router(
             list(leaders),
             secret,
             block_size,
-            policy,
+            make_policy(policy, 0, **(policy_args or {})),
             hash_algo,
             max_queued_prefill_tokens=max_queued_prefill_tokens,
             tenant_shares=tenant_shares,
