@@ -152,6 +152,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_keep_alive(args: argparse.Namespace) -> int:
+    from router.gateway import keep_alive
+
+    results = keep_alive.bench(args.seeds, args.entries, args.hours, args.ttl, args.preset)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        keep_alive.print_bench(results)
+    return 0 if all(r["auto_at_most_best"] for r in results) else 1
+
+
 def _cmd_bench_route(args: argparse.Namespace) -> int:
     from router.sim import bench
 
@@ -371,6 +382,7 @@ def _add_bench(sub) -> None:
     _add_bench_tp(bsub)
     _add_bench_route(bsub)
     _add_bench_tiers(bsub)
+    _add_bench_keep_alive(bsub)
     bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
     add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serve)
@@ -426,6 +438,21 @@ def _add_bench_tiers(bsub) -> None:
     t.add_argument("--device", default="cpu")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_tiers)
+
+
+def _add_bench_keep_alive(bsub) -> None:
+    from router.gateway.economics import PRESETS
+
+    k = bsub.add_parser(
+        "keep-alive", help="replay a sparse workload of explicit entries: cost of never / always / auto keep-alive"
+    )
+    k.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["anthropic", "gemini"])
+    k.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    k.add_argument("--entries", type=int, default=2000, help="entries per workload")
+    k.add_argument("--hours", type=float, default=24.0, help="the workload's length")
+    k.add_argument("--ttl", type=float, default=300.0, help="the entries' TTL in seconds")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_bench_keep_alive)
 
 
 def _add_bench_route(bsub) -> None:

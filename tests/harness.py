@@ -223,6 +223,7 @@ def serving(
 # evicts another's probes), the two usual tenants and initech, explicit like globex. Every test on it uses its own
 # prompts, cached contents and pins (random or test-specific text), so tests neither see nor depend on each other.
 SHARED_INITECH_KEY = "sk-initech-test-01"
+SHARED_UMBRELLA_KEY = "sk-umbrella-test-01"  # umbrella: explicit with keep_alive: auto (tests/test_keep_alive.py)
 SHARED_BODY = (
     "kv_cache_bytes: 1073741824\n"
     + f"admin_keys: [{ADMIN_KEY}]\n"
@@ -232,6 +233,12 @@ SHARED_BODY = (
     cache: {{mode: explicit, default_ttl: 5m}}
     prices: {{preset: anthropic}}   # tests/test_economics.py, test_monitoring.py
     advice: {{sample: 8}}
+"""
+    + f"""  - name: umbrella
+    api_keys: [{SHARED_UMBRELLA_KEY}]
+    cache: {{mode: explicit, default_ttl: 5m}}
+    prices: {{preset: anthropic}}
+    keep_alive: auto
 """
 )
 SHARED_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", SHARED_INITECH_KEY)]

