@@ -266,3 +266,4 @@ def test_an_auto_entry_is_read_past_its_ttl_and_an_off_one_is_not(shared_server)
     usage = httpx.get(f"{server.base}/umbrella/v1/usage", headers={"x-api-key": SHARED_UMBRELLA_KEY}, timeout=30)
     assert usage.json()["usage"]["storage_token_seconds"] > 0
     assert PRESETS["anthropic"]["storage"] == 0  # so all of that storage is keep-alive's
+    assert "could not re-pin" not in server.log_text()  # every keep re-pinned its blocks on a group
