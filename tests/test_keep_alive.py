@@ -8,15 +8,17 @@ and the decisions show in the tenant's and the admin metrics and the kept time i
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import ConfigError, PricesConfig, load_config
+from common.config import ConfigError, PricesConfig, ServeConfig, load_config
 from harness import ADMIN_KEY, GLOBEX_KEY, SHARED_UMBRELLA_KEY, SYSTEM, an, wait_for
 from router.gateway.economics import PRESETS, Prices
 from router.gateway.keep_alive import (
@@ -26,12 +28,13 @@ from router.gateway.keep_alive import (
     Reuse,
     bench,
     decide,
+    hold_cost,
     hold_rate,
     rebuild_premium,
     replay,
     sparse_workload,
 )
-from router.gateway.store import connect
+from router.gateway.store import KeyRing, connect
 
 TTL = 300.0
 TOKENS = 4096
@@ -155,7 +158,7 @@ def test_keep_alive_config(tmp_path):
         path.write_text(base + text)
         assert load_config(path).tenants[0].keep_alive == want
     path.write_text(base + "    keep_alive: sometimes\n")
-    with pytest.raises(ConfigError, match="keep_alive"):
+    with pytest.raises(ConfigError, match=r"tenants\.0\.keep_alive: Input should be .off. or .auto."):
         load_config(path)
 
 
@@ -203,6 +206,55 @@ def test_entry_reuse_in_redis_and_one_decision_per_round(redis_client):
 
     asyncio.run(asyncio.wait_for(run(), 60))
     assert DueEntry("acme", "x", 0, 1, 1.0, None).entry_key == "kvgrid:pin:acme:x"
+
+
+def test_a_gateway_round_keeps_bills_and_counts(demo_path, redis_client, caplog):
+    """One round of a replica's keep-alive task: a reused entry near its expiry is kept (the Redis entry
+    extended), the kept time billed as storage in the ledger at ``hold_cost`` and counted in the tenant's metrics;
+    a single-use one is dropped. (No worker group here: the re-pin fails and says so; the server test re-pins.)"""
+    from router.gateway.core import Gateway
+
+    config = ServeConfig.model_validate(
+        {
+            "tenants": [
+                {"name": "acme", "api_keys": ["sk-acme-0001"], "keep_alive": "auto", "prices": {"preset": "gemini"}},
+                {"name": "globex", "api_keys": ["sk-globex-01"]},
+            ]
+        }
+    )
+    gw = Gateway(config, KeyRing.from_config(config), demo_path, [None], f"unix://{redis_client.socket_file}")
+    t = gw.tenants["acme"]
+    hot, once = (f"kvgrid:pin:acme:{c * 32}" for c in "ab")
+    tokens = list(range(200, 264))
+
+    async def run():
+        now = time.time()
+        store = gw.keep_alive.store
+        await store.note_use("acme", hot, tokens, 2.0, False, now - 4.5)
+        await store.note_use("acme", hot, tokens, 2.0, False, now - 0.5)  # expires at now + 1.5
+        await store.note_use("acme", once, tokens, 2.0, False, now - 0.5)
+        for key in (hot, once):
+            redis_client.set(key, 1, px=1500)
+        with caplog.at_level(logging.WARNING, logger="router.gateway.keep_alive"):
+            decided = await gw.keep_alive.round(t, now)
+        totals = await gw.ledger.totals("acme")
+        await gw.close()
+        return now, decided, totals
+
+    now, decided, totals = asyncio.run(asyncio.wait_for(run(), 120))
+    by_key = {e.entry_key: (d, applied) for e, d, applied in decided}
+    (kept, applied), (dropped, _) = by_key[hot], by_key[once]
+    assert kept.keep and applied == 1 and not dropped.keep
+    kept_s = kept.until - (now + 1.5)
+    assert kept_s > 0 and redis_client.pttl(hot) > 1500
+    assert totals["storage_token_seconds"] == round(64 * kept_s)
+    assert totals["cost_pusd"] == hold_cost(t.prices, 64, kept_s, 2.0) > 0
+    assert totals["requests"] == 0  # a keep is no request
+    m = _samples(generate_latest(t.metrics.registry).decode())
+    assert m["kvgrid_keep_alive_decisions_total|decision=keep,tenant=acme"] == 1
+    assert m["kvgrid_keep_alive_decisions_total|decision=drop,tenant=acme"] == 1
+    assert m["kvgrid_keep_alive_kept_token_seconds_total|tenant=acme"] == round(64 * kept_s)
+    assert any("could not re-pin" in r.getMessage() for r in caplog.records)
 
 
 def _samples(text: str) -> dict[str, float]:

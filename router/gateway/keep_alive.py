@@ -672,3 +672,11 @@ def print_bench(results: list[dict[str, Any]]) -> None:
             f"{r['preset']:<10}{r['seed']:>5}{r['entries']:>9}{r['uses']:>8}{c['never']:>12.2f}{c['always']:>12.2f}"
             f"{c['auto']:>12.2f}  {r['auto_over_best']:.3f}{'' if r['auto_at_most_best'] else '  (over the best!)'}"
         )
+    print("\nby reuse pattern, all seeds ($ never / always / auto):")
+    for preset in dict.fromkeys(r["preset"] for r in results):
+        rows = [r for r in results if r["preset"] == preset]
+        cells = []
+        for pattern in ("hot", "cold", "bursty"):
+            c = [sum(r["by_pattern_usd"][p].get(pattern, 0.0) for r in rows) for p in POLICIES]
+            cells.append(f"{pattern} {c[0]:.2f} / {c[1]:.2f} / {c[2]:.2f}")
+        print(f"{preset:<10}" + "   ".join(cells))
