@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from common.logs import configure_logging
 
@@ -62,28 +63,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from worker import bench
 
+    common: dict[str, Any] = {  # what the decode and the grammar benchmark both take
+        "model": args.model,
+        "batches": tuple(args.batch),
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+        "device": args.device,
+        "as_json": args.json,
+        "cuda_graphs": args.cuda_graphs,
+    }
     if args.grammar:
-        bench.run_grammar(
-            model=args.model,
-            batches=tuple(args.batch),
-            decode_steps=args.decode_steps,
-            repeats=args.repeats,
-            device=args.device,
-            as_json=args.json,
-            cuda_graphs=args.cuda_graphs,
-        )
-        return 0
-    bench.run(
-        model=args.model,
-        prompt_len=args.prompt_len,
-        cached=args.cached,
-        batches=tuple(args.batch),
-        decode_steps=args.decode_steps,
-        repeats=args.repeats,
-        device=args.device,
-        as_json=args.json,
-        cuda_graphs=args.cuda_graphs,
-    )
+        bench.run_grammar(**common)
+    else:
+        bench.run(prompt_len=args.prompt_len, cached=args.cached, **common)
     return 0
 
 

@@ -44,7 +44,7 @@ from router.gateway.protocol import (
     anthropic_event,
 )
 from router.gateway.routes import Routes
-from router.gateway.tools import CallStream, Tooling, anthropic_tooling, parse_calls
+from router.gateway.tools import Call, CallStream, Tooling, anthropic_tooling, parse_calls
 
 API = "anthropic"
 MAX_BREAKPOINTS = 4
@@ -180,9 +180,7 @@ class AnthropicApi:
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await primed(run)
-            if tooling.parse:
-                return SlotStream(self._stream_tools(t, run, mid, claim, writes, tooling))
-            return SlotStream(self._stream(t, run, mid, claim, writes))
+            return SlotStream(self._stream(t, run, mid, claim, writes, tooling if tooling.parse else None))
         out, _ = await last(run)
         await gw.settle(writes)
         content: list[TextBlock | ToolUseBlock] = [TextBlock(text=out.text)]
@@ -303,53 +301,33 @@ class AnthropicApi:
         )
 
     async def _stream(
-        self, t: Tenant, run: Run, mid: str, claim: Claim, writes: list[asyncio.Task]
-    ) -> AsyncIterator[str]:
-        try:
-            first = True
-            out = None
-            async for out, _ in run:
-                if first:  # the group has prefilled: its reuse is known
-                    usage = self._usage(t, out, claim).model_copy(update={"output_tokens": 0})
-                    yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
-                    yield anthropic_event(ContentBlockStart(content_block=TextBlock(text="")))
-                    first = False
-                if out.delta_text:
-                    yield anthropic_event(ContentBlockDelta(delta=TextDelta(text=out.delta_text)))
-            if out is not None:
-                yield anthropic_event(ContentBlockStop())
-                yield anthropic_event(
-                    MessageDelta(
-                        delta=StopInfo(stop_reason=_stop_reason(out), stop_sequence=_stop_sequence(out)),
-                        usage=self._usage(t, out, claim),
-                    )
-                )
-                await self.gw.settle(writes)  # the run ended, so its entry writes have started
-                yield anthropic_event(MessageStop())
-        except ApiError as exc:
-            yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))
-
-    async def _stream_tools(
         self,
         t: Tenant,
         run: Run,
         mid: str,
         claim: Claim,
         writes: list[asyncio.Task],
-        tooling: Tooling,
+        tooling: Tooling | None = None,
     ) -> AsyncIterator[str]:
-        """The event stream of a request with tools: text blocks as the text comes, and each tool call, once
-        complete, as a ``tool_use`` block whose input arrives in one ``input_json_delta``."""
-        parser = CallStream("toolu_")
+        """The event stream of a request: ``message_start`` once the group has prefilled (its reuse known), the
+        content blocks, then ``message_delta`` with the usage and ``message_stop``. Without ``tooling`` (a request
+        whose output is not parsed for calls) it is one text block, opened at once. With it, text blocks as the
+        text comes, and each tool call, once complete, as a ``tool_use`` block whose input arrives in one
+        ``input_json_delta``."""
+        parser = CallStream("toolu_") if tooling is not None else None
         index, text_open, num_calls = 0, False, 0
 
         def events(o: RequestOutput) -> list[str]:
             nonlocal index, text_open, num_calls
-            text, calls = parser.feed(o.delta_text)
-            text += parser.finish() if o.finished else ""
+            calls: list[Call] = []
+            if parser is None:
+                text = o.delta_text
+            else:
+                text, calls = parser.feed(o.delta_text)
+                text += parser.finish() if o.finished else ""
             evs = []
             for c in calls:
-                if tooling.single and num_calls:
+                if tooling is not None and tooling.single and num_calls:
                     break
                 if text_open:
                     evs.append(anthropic_event(ContentBlockStop(index=index)))
@@ -374,6 +352,9 @@ class AnthropicApi:
                 if first:  # the group has prefilled: its reuse is known
                     usage = self._usage(t, out, claim).model_copy(update={"output_tokens": 0})
                     yield anthropic_event(MessageStart(message=self._reply(mid, [], None, None, usage)))
+                    if parser is None:  # plain text: its one block opens with the message
+                        yield anthropic_event(ContentBlockStart(content_block=TextBlock(text="")))
+                        text_open = True
                     first = False
                 for ev in events(out):
                     yield ev
