@@ -37,7 +37,7 @@ import pytest
 import redis
 
 from common.hashing import tenant_root_key
-from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, Server, an, chat, oa
+from harness import ACME_KEY, GLOBEX_KEY, SECRET, SYSTEM, Server, admin_gauge, an, chat, oa
 
 INITECH_KEY = "sk-initech-test-01"
 KEYS = {"acme": ACME_KEY, "globex": GLOBEX_KEY, "initech": INITECH_KEY}
@@ -103,9 +103,10 @@ def test_ks_2samp_matches_known_values():
 @pytest.fixture()
 def server(shared_server):
     # The server test_serve and test_loadgen share too (harness.SHARED_BODY): acme, globex and initech (explicit),
-    # 1 GiB per group: a demo-model block (4 layers x K,V x 2 KV heads x 64 x 16 tokens, fp32) is 64 KiB, so each
-    # group holds 16384 blocks: the timing test's ~13k blocks never evict acme's probes. Every test here sends its
-    # own prompts (_unique, random tokens), so what the other modules sent cannot make a hit or a miss.
+    # with KV tiers: a demo-model block (4 layers x K,V x 2 KV heads x 64 x 16 tokens, fp32) is 64 KiB, so each
+    # group has 2048 blocks in its pool, 4096 in host RAM and ~16k on disk: the timing test's ~13k blocks push
+    # acme's probes out of the pool into host RAM (and disk), from which its hits load them. Every test here sends
+    # its own prompts (_unique, random tokens), so what the other modules sent cannot make a hit or a miss.
     assert shared_server.ready == list(KEYS.items())
     return shared_server
 
@@ -592,6 +593,11 @@ def _ttft(client: openai.OpenAI, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
+def _tier_hits(server: Server) -> float:
+    """Blocks the groups loaded from host RAM or disk instead of computing them, since start."""
+    return sum(admin_gauge(server, f"kvgrid_group_{t}_hit_blocks") for t in ("host", "disk"))
+
+
 def test_no_timing_channel_between_tenants(server, vocab):
     """acme caches N prompts. Then, interleaved in random order: globex sends each of them once (probe), globex
     sends N fresh prompts of the same length, acme re-sends each of them (its own hits) and acme sends N fresh
@@ -609,6 +615,7 @@ def test_no_timing_channel_between_tenants(server, vocab):
 
     acme_cached = [prompt() for _ in range(TIMING_N)]
     acme, globex = oa(server), oa(server, "globex", GLOBEX_KEY)
+    loaded_before = _tier_hits(server)
     for _ in range(10):  # warm both tenants' paths up (not measured)
         _ttft(acme, prompt())
         _ttft(globex, prompt())
@@ -630,6 +637,11 @@ def test_no_timing_channel_between_tenants(server, vocab):
         expected = hit_tokens if kind == "acme hit" else 0
         assert cached == expected, f"{kind}: {cached} cached tokens, expected {expected}"
     elapsed = time.monotonic() - t_start
+    # With tiers on, the flood went through the lower tiers: both hold blocks, and some of acme's hits were loads
+    # from them (so the test also shows that a host or disk load is no channel either).
+    tiers = {t: admin_gauge(server, f"kvgrid_group_{t}_blocks") for t in ("host", "disk")}
+    loaded = _tier_hits(server) - loaded_before
+    assert tiers["host"] > 0 and tiers["disk"] > 0 and loaded > 0, (tiers, loaded)
     d_g, p_g = ks_2samp(times["globex probe"], times["globex fresh"])
     d_a, p_a = ks_2samp(times["acme hit"], times["acme fresh"])
     summary = {
@@ -642,6 +654,8 @@ def test_no_timing_channel_between_tenants(server, vocab):
         "acme hit vs fresh": {"D": round(d_a, 4), "p": p_a},
         "ttft": summary,
         "measured_s": round(elapsed, 1),
+        "tier_blocks": tiers,
+        "blocks_loaded_from_tiers": loaded,
     }
     print("timing:", json.dumps(report, indent=1))
     assert p_a < 1e-3, f"the measurement cannot see acme's own hits: {report}"
