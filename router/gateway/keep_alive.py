@@ -446,11 +446,13 @@ class KeepAlive:
                 log.exception("keep-alive round failed")
 
     async def round(self, t: Tenant, now: float) -> list[tuple[DueEntry, Decision, int]]:
-        """Decide ``t``'s entries that expire within two rounds of ``now``: (entry, decision, applied) for each,
-        where applied is ``EntryReuse.apply``'s answer. Kept entries are re-pinned and billed."""
+        """Decide ``t``'s entries that expire within two rounds (and half their TTL) of ``now``: (entry, decision,
+        applied) for each, where applied is ``EntryReuse.apply``'s answer. Kept entries are re-pinned and billed."""
         out = []
         repins = []
         for entry in await self.store.due(t.name, now + 2 * self.period_s):
+            if entry.expires_ms / 1000 - now > entry.ttl_s / 2:  # decided at most half a TTL ahead: a keep is
+                continue  # never decided again in the same round by another replica, nor bought ahead of time
             if entry.reuse is None or entry.tokens <= 0:
                 decision = Decision(False, entry.expires_ms / 1000, "its reuse was forgotten")
             else:
