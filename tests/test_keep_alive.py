@@ -8,6 +8,7 @@ and the decisions show in the tenant's and the admin metrics and the kept time i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -149,6 +150,20 @@ def test_bench_figures():
     # OpenAI-like prices (no write fee): holding one TTL costs a rebuild, so auto never keeps.
     openai = results[2]["cost_usd"]
     assert openai["auto"] == openai["never"]
+
+
+def test_kvgrid_bench_keep_alive_prints_the_figures(capsys):
+    from router.cli import main
+
+    assert main(["bench", "keep-alive", "--seeds", "3", "--entries", "200"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("anthropic ", "gemini "))]
+    assert [r[0] for r in rows] == ["anthropic", "gemini", "anthropic", "gemini"]  # the table, then by pattern
+    for _, seed, _, _, never, always, auto, ratio in rows[:2]:
+        assert seed == "3" and float(auto) <= min(float(never), float(always)) and float(ratio) <= 1
+    assert main(["bench", "keep-alive", "--seeds", "3", "--entries", "50", "--preset", "openai", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["preset"] == "openai" and set(result["by_pattern_usd"]) == {"never", "always", "auto"}
 
 
 def test_keep_alive_config(tmp_path):
