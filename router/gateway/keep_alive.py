@@ -447,9 +447,9 @@ class KeepAlive:
 
     async def round(self, t: Tenant, now: float) -> list[tuple[DueEntry, Decision, int]]:
         """Decide ``t``'s entries that expire within two rounds (and half their TTL) of ``now``: (entry, decision,
-        applied) for each, where applied is ``EntryReuse.apply``'s answer. Kept entries are re-pinned and billed."""
+        applied) for each, where applied is ``EntryReuse.apply``'s answer. Kept entries are billed, and re-pinned in the
+        background."""
         out = []
-        repins = []
         for entry in await self.store.due(t.name, now + 2 * self.period_s):
             if entry.expires_ms / 1000 - now > entry.ttl_s / 2:  # decided at most half a TTL ahead: a keep is
                 continue  # never decided again in the same round by another replica, nor bought ahead of time
@@ -469,11 +469,9 @@ class KeepAlive:
                 c.kept.inc(round(entry.tokens * kept_s))
                 c.cost.inc(dollars(cost))
                 self.gw.ledger.record(t.name, storage_token_seconds=round(entry.tokens * kept_s), cost_pusd=cost)
-                repins.append(self._repin(t, entry, decision.until - now))
+                self.gw.spawn(self._repin(t, entry, decision.until - now))  # a busy group holds no round up
             else:
                 c.drop.inc()
-        if repins:
-            await asyncio.gather(*repins)
         return out
 
     async def _repin(self, t: Tenant, entry: DueEntry, ttl_s: float) -> None:
