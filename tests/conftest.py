@@ -58,6 +58,25 @@ def redis_client(redis_server):
     return redis_server
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for one test module (worker groups: tests/test_group.py, test_group_streams.py, test_kv_tiers.py,
+    test_robustness_worker.py): loopback only, 4 CPUs, no dashboard, shut down after the module."""
+    import ray
+
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 * 2**20,
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
 # -- markers --------------------------------------------------------------------------------------------------------
 # Every test that starts Ray or talks to a real `kvgrid serve` is marked here, from the code it runs: its own body
 # and every fixture it uses (transitively) that is defined under tests/. A new test on an existing server or Ray

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -13,23 +12,6 @@ from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=128 * 2**20,
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -18,22 +18,6 @@ LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=128 * 2**20,
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def group(ray_local, demo_path):
     from worker.group import GroupConfig, WorkerGroup
 

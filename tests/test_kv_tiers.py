@@ -249,25 +249,6 @@ def test_churn_with_small_tiers_matches_recompute(demo_path, reference, tmp_path
     eng2.close()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import os
-
-    import ray
-
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=128 * 2**20,
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
-
-
 def test_tensor_parallel_group_reloads_and_keeps_its_disk_tier_across_a_restart(
     ray_local, demo_path, reference, tmp_path
 ):

@@ -267,23 +267,6 @@ def test_an_overflowing_event_buffer_is_replaced_by_a_snapshot_once_redis_is_bac
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=128 * 2**20,
-        log_to_driver=False,
-    )
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def redis_port(tmp_path_factory):
     """A port for the group's Redis, which the tests start, pause and kill themselves."""
     return free_port(), tmp_path_factory.mktemp("redis")
