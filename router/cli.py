@@ -71,6 +71,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "device": args.device,
         "as_json": args.json,
         "cuda_graphs": args.cuda_graphs,
+        "dtype": args.dtype,
     }
     if args.grammar:
         bench.run_grammar(**common)
@@ -389,6 +390,12 @@ def _add_bench_engine(bsub) -> None:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--repeats", type=int, default=5)
     e.add_argument("--device", default="auto")
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the engine's dtype (auto: float32 on CPU, the model's half precision or bfloat16 on CUDA)",
+    )
     e.add_argument(
         "--no-cuda-graphs",
         dest="cuda_graphs",

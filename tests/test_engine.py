@@ -235,3 +235,39 @@ def test_block_size_must_be_a_power_of_two(bad):
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(block_size=bad)
     assert [n for n in range(-4, 70) if is_power_of_two(n)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_bfloat16_on_cpu_keeps_weights_and_kv_in_bfloat16_within_its_error_of_transformers(model):
+    """``dtype: bfloat16`` (the serve config's, what vLLM's CPU build downcasts float32 models to): the weights and
+    the KV cache are bfloat16, and the log-probability of every token the engine picks is within bfloat16's error
+    of transformers' float32 one, also over a cached prefix. Greedy tokens are not compared: on these random
+    models bfloat16 rounding flips many near-tied argmaxes (about 30% of 10-token continuations diverge)."""
+    path, hf, _ = model
+    engine = engine_for(path, dtype="bfloat16")
+    assert engine.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}
+    rng = random.Random(7)
+    shared = [rng.randrange(4000) for _ in range(64)]
+    batch = [shared + [rng.randrange(4000) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    outs = engine.generate(batch[:1], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0))
+    outs += engine.generate(batch[1:], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0))
+    assert all(o.num_cached_tokens >= 48 for o in outs[1:])  # the later prompts read the first one's blocks
+    for prompt, out in zip(batch, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        ref = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=0.35), (out.logprobs, ref.tolist())
+    fp32 = engine_for(path)
+    assert fp32.dtype == torch.float32  # auto stays float32 on the CPU: the parity tests above run in it
+
+
+def test_serve_config_dtype_reaches_the_engine():
+    from common.config import ServeConfig
+    from router.control.serve import _engine_config
+
+    base = {"tenants": [{"name": "acme", "api_keys": ["sk-acme-test-key-1"]}]}
+    assert _engine_config(ServeConfig.model_validate(base), "demo", "s", False).dtype == "auto"
+    cfg = ServeConfig.model_validate({**base, "dtype": "bfloat16"})
+    assert _engine_config(cfg, "demo", "s", False).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        ServeConfig.model_validate({**base, "dtype": "int8"})

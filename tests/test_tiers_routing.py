@@ -308,7 +308,10 @@ def test_the_serve_configs_load_weights_reach_the_router_and_change_its_choice(t
     base = {"tenants": [{"name": "acme", "api_keys": ["sk-acme-12345"]}]}
 
     def choice(cfg: ServeConfig) -> str:
-        service = RouterService({}, SECRET, 16, policy_args=cfg.routing.model_dump())
+        from router.control.serve import _router_args
+
+        args = _router_args(cfg, "redis://unused")  # what kvgrid serve hands every router replica
+        service = RouterService({}, SECRET, 16, policy_args=args["policy_args"])
         router = service.router
         for g in ("g0", "g1"):
             router.add_group(g)

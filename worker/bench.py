@@ -53,9 +53,16 @@ def run(
     device: str = "auto",
     as_json: bool = False,
     cuda_graphs: bool = True,
+    dtype: str = "auto",
 ) -> dict:
     engine = Engine(
-        EngineConfig(model=model, device=device, max_num_batched_tokens=max(2048, prompt_len), cuda_graphs=cuda_graphs)
+        EngineConfig(
+            model=model,
+            device=device,
+            max_num_batched_tokens=max(2048, prompt_len),
+            cuda_graphs=cuda_graphs,
+            dtype=dtype,
+        )
     )
     bs = engine.config.block_size
     if cached % bs or not 0 < cached < prompt_len:
@@ -76,6 +83,7 @@ def run(
     result: dict[str, Any] = {
         "device": str(engine.device),
         "cuda_graphs": engine.runner.graphs is not None,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "prompt_tokens": prompt_len,
         "ttft_cold_ms": statistics.median(cold) * 1e3,
         "ttft_hit_ms": statistics.median(hit) * 1e3,
@@ -87,7 +95,7 @@ def run(
         print(json.dumps(result, indent=2))
     else:
         graphs = ", decode in CUDA graphs" if result["cuda_graphs"] else ""
-        print(f"engine benchmark on {result['device']} ({model}, median of {repeats}{graphs})")
+        print(f"engine benchmark on {result['device']} ({model}, {result['dtype']}, median of {repeats}{graphs})")
         print(f"  TTFT cold, {prompt_len}-token prompt:          {result['ttft_cold_ms']:8.1f} ms")
         print(f"  TTFT with {hit_cached} tokens cached:          {result['ttft_hit_ms']:8.1f} ms")
         print(f"  TTFT(hit) / TTFT(cold):                  {result['ttft_ratio']:8.3f}  (target <= 0.10)")
@@ -123,11 +131,12 @@ def run_grammar(
     device: str = "auto",
     as_json: bool = False,
     cuda_graphs: bool = True,
+    dtype: str = "auto",
 ) -> dict:
     """Decode tokens/s at each batch size without and with a JSON-schema constraint (``BENCH_SCHEMA``) on every
     sequence, sampled at temperature 1 either way; the median of ``repeats`` paired runs, and the share of the
     throughput the grammar costs (target: under 20% at batch 8)."""
-    engine = Engine(EngineConfig(model=model, device=device, cuda_graphs=cuda_graphs))
+    engine = Engine(EngineConfig(model=model, device=device, cuda_graphs=cuda_graphs, dtype=dtype))
     so = StructuredOutput("json_schema", json.dumps(BENCH_SCHEMA))
     rng = random.Random(0)
     plain = SamplingParams(max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True)
@@ -135,7 +144,11 @@ def run_grammar(
         max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True, structured_output=so
     )
     _decode_rate(engine, max(batches), 128, 8, rng, constrained)  # warm-up: compiles the grammar, the tokenizer
-    result: dict[str, Any] = {"device": str(engine.device), "decode_tokens_per_s": {}}
+    result: dict[str, Any] = {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "decode_tokens_per_s": {},
+    }
     for b in batches:
         free, masked = [], []
         for _ in range(repeats):  # interleaved, so drifting machine load hits both alike
@@ -146,7 +159,10 @@ def run_grammar(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"grammar benchmark on {result['device']} ({model}, JSON schema on every sequence, median of {repeats})")
+        print(
+            f"grammar benchmark on {result['device']} ({model}, {result['dtype']}, "
+            f"JSON schema on every sequence, median of {repeats})"
+        )
         for b, r in result["decode_tokens_per_s"].items():
             print(
                 f"  decode, batch {b:3d}: {r['without_grammar']:8.1f} tokens/s without grammar, "

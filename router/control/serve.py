@@ -106,16 +106,7 @@ def run(
                 max_restarts=-1,
                 **front,
             )
-            .remote(
-                {},
-                secret,
-                cfg.block_size,
-                redis_url=url,
-                max_queued_prefill_tokens=cfg.max_queued_prefill_tokens,
-                tenant_shares={t.name: t.cache.share for t in cfg.tenants},
-                supervisor=SUPERVISOR_NAME,
-                policy_args=cfg.routing.model_dump(),
-            )
+            .remote({}, secret, cfg.block_size, **_router_args(cfg, url))
             for i in range(cfg.router_replicas)
         ]
         template = GroupConfig(
@@ -151,6 +142,17 @@ def run(
         _shutdown(supervisor, embedded)
 
 
+def _router_args(cfg: ServeConfig, redis_url: str) -> dict:
+    """Every router replica's settings from the serve config (RouterService keyword arguments)."""
+    return {
+        "redis_url": redis_url,
+        "max_queued_prefill_tokens": cfg.max_queued_prefill_tokens,
+        "tenant_shares": {t.name: t.cache.share for t in cfg.tenants},
+        "supervisor": SUPERVISOR_NAME,
+        "policy_args": cfg.routing.model_dump(),
+    }
+
+
 def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool):
     """Every group's engine settings, from the serve config."""
     from worker.engine import EngineConfig
@@ -165,6 +167,7 @@ def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool
         secret=secret,
         step_timeout_s=cfg.step_timeout_s,
         cuda_graphs=cfg.cuda_graphs,
+        dtype=cfg.dtype,
         decode_threads=None if use_gpu else cfg.decode_threads,
         pinned_token_limits={
             t.name: t.cache.max_pinned_tokens for t in cfg.tenants if t.cache.max_pinned_tokens is not None
