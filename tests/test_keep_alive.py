@@ -20,9 +20,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import ConfigError, PricesConfig, ServeConfig, load_config
+from common.hashing import token_bytes
 from harness import ADMIN_KEY, GLOBEX_KEY, SHARED_UMBRELLA_KEY, SYSTEM, an, wait_for
 from router.gateway.economics import PRESETS, Prices
 from router.gateway.keep_alive import (
+    PERIOD_ENV,
+    STATS_LIFE_S,
+    TOKENS_SLACK_S,
     Decision,
     DueEntry,
     EntryReuse,
@@ -31,6 +35,8 @@ from router.gateway.keep_alive import (
     decide,
     hold_cost,
     hold_rate,
+    never_keeps,
+    period_from_env,
     rebuild_premium,
     replay,
     sparse_workload,
@@ -116,10 +122,18 @@ def test_a_changing_pattern_flips_the_decision(preset):
 
 
 def test_the_decision_depends_on_the_entry_only():
-    """Replicas decide the same: the rule reads the entry's stored reuse and expiry, not the clock."""
+    """Replicas decide the same: the rule reads the entry's stored reuse and expiry, not the clock. The same
+    entry state at another absolute time (every time shifted alike) gets the same decision, shifted alike."""
     prices = _prices("anthropic")
     r = _reuse([0, 420, 800])
-    assert decide(prices, TOKENS, TTL, r, 1100.0) == decide(prices, TOKENS, TTL, r, 1100.0)
+    for expires in (800 + TTL, 1100.0, 1500.0, 2000.0):
+        base = decide(prices, TOKENS, TTL, r, expires)
+        for shift in (1.0, 3600.0, 1.7e9):
+            moved = Reuse(r.last + shift, r.gaps, r.uses, r.hits)
+            d = decide(prices, TOKENS, TTL, moved, expires + shift)
+            assert (d.keep, d.reason) == (base.keep, base.reason), (expires, shift)
+            assert d.until - shift == pytest.approx(base.until, abs=1e-3)
+    assert decide(prices, TOKENS, TTL, r, 1100.0).keep and not decide(prices, TOKENS, TTL, r, 2000.0).keep
     # A hold never goes past its own deadline, whatever the expiry asked about.
     held, decisions = _held(prices, r)
     assert decisions[-1].keep is False and math.isfinite(held)
@@ -183,12 +197,22 @@ def test_entry_reuse_in_redis_and_one_decision_per_round(redis_client):
     url = f"unix://{redis_client.socket_file}"
     tokens = list(range(100, 164))
     key = f"kvgrid:pin:acme:{'ab' * 16}"
+    stats, tokens_key = EntryReuse.stats_key("acme", "ab" * 16), EntryReuse.tokens_key("acme", "ab" * 16)
+    slack_ms = TOKENS_SLACK_S * 1000
+
+    def payloads() -> list[bytes]:  # every key holding the entry's tokens, in any form
+        raw = token_bytes(tokens)
+        return [k for k in redis_client.keys("*") if raw in _values(redis_client, k)]
 
     async def run():
         a, b = EntryReuse(connect(url)), EntryReuse(connect(url))  # two replicas
         try:
             await a.note_use("acme", key, tokens, 2.0, False, 1000.0)
+            assert payloads() == [] and redis_client.exists(stats)  # used once: its tokens are not stored
+            assert 0 < redis_client.pttl(EntryReuse.index_key("acme")) <= STATS_LIFE_S * 1000
             await b.note_use("acme", key, tokens, 2.0, True, 1003.5)
+            assert payloads() == [tokens_key.encode()]  # used again: stored, until its expiry plus the slack
+            assert 2000 + slack_ms - 1000 < redis_client.pttl(tokens_key) <= 2000 + slack_ms
             await a.note_use("acme", key, tokens, 2.0, True, 1004.0)
             assert await a.due("acme", 1005.0) == []  # expires at 1006
             (due,) = await a.due("acme", 1007.0)
@@ -196,22 +220,26 @@ def test_entry_reuse_in_redis_and_one_decision_per_round(redis_client):
             assert due.reuse == Reuse(1004.0, (3.5, 0.5), 3, 2)
             assert await a.tokens(due) == tokens
             redis_client.set(key, 1, px=1500)  # the entry itself (EntryStore.keep's)
-            keep = Decision(True, 1008.0, "")
+            keep = Decision(True, 1205.0, "")
             # Both replicas read the same expiry and decide; one wins.
             results = await asyncio.gather(a.apply(due, keep, 1005.0, 128), b.apply(due, keep, 1005.0, 128))
             assert sorted(results) == [0, 1]
-            assert redis_client.zscore(EntryReuse.index_key("acme"), due.member) == 1_008_000
-            assert redis_client.pttl(key) > 2000  # extended to the new expiry (3 s from the decision's now)
+            assert redis_client.zscore(EntryReuse.index_key("acme"), due.member) == 1_205_000
+            assert redis_client.pttl(key) > 199_000  # extended to the new expiry (200 s from the decision's now)
+            # The tokens live as long as the kept entry, plus the slack.
+            assert redis_client.pttl(key) + slack_ms - 1000 < redis_client.pttl(tokens_key) <= 200_000 + slack_ms
             assert await a.counters("acme") == {"keep": 1, "drop": 0, "kept_token_seconds": 128}
-            (again,) = await a.due("acme", 1009.0)
-            assert await a.apply(again, Decision(False, 1008.0, ""), 1007.0) == 1
+            (again,) = await a.due("acme", 1206.0)
+            assert await a.apply(again, Decision(False, 1205.0, ""), 1204.0) == 1
             assert await a.due("acme", 10_000.0) == []
+            assert payloads() == []  # a drop deletes its tokens
             assert await b.counters("acme") == {"keep": 1, "drop": 1, "kept_token_seconds": 128}
             # An entry that expired before its decision is a drop, never a keep.
-            await a.note_use("acme", key, tokens, 2.0, True, 1010.0)
+            await a.note_use("acme", key, tokens, 2.0, True, 1210.0)
+            assert await a.tokens((await a.due("acme", 1213.0))[0]) == tokens  # used again: stored again
             redis_client.delete(key)
-            (gone,) = await a.due("acme", 1013.0)
-            assert await a.apply(gone, Decision(True, 1014.0, ""), 1011.0, 64) == -1
+            (gone,) = await a.due("acme", 1213.0)
+            assert await a.apply(gone, Decision(True, 1214.0, ""), 1211.0, 64) == -1
             assert (await a.counters("acme"))["drop"] == 2
             with pytest.raises(ValueError):
                 await a.note_use("globex", key, tokens, 2.0, False, 1.0)  # another tenant's entry
@@ -275,6 +303,84 @@ def test_gateway_rounds_keep_bill_and_count_once_across_replicas(demo_path, redi
     assert any("could not re-pin" in r.getMessage() for r in caplog.records)
 
 
+def test_auto_that_can_never_keep_warns_and_one_failing_tenant_stops_no_other(
+    demo_path, redis_client, caplog, monkeypatch
+):
+    """A tenant with ``keep_alive: auto`` whose prices can never keep is named in a warning at gateway start (the
+    config still loads); a tenant whose rounds fail (its index is not a sorted set) is logged once, and the
+    tenant after it is still decided, round after round; a closed keep-alive never starts again;
+    ``$KVGRID_KEEP_ALIVE_PERIOD_S`` must be a finite number > 0."""
+    from router.gateway.core import Gateway
+
+    assert never_keeps(_prices("openai")) and never_keeps(Prices()) and not never_keeps(_prices("anthropic"))
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv(PERIOD_ENV, bad)
+        with pytest.raises(ValueError, match=PERIOD_ENV):
+            period_from_env()
+    monkeypatch.setenv(PERIOD_ENV, "0.05")
+    assert period_from_env() == 0.05
+
+    def tenant(name: str, prices: dict | None) -> dict:
+        return {"name": name, "api_keys": [f"sk-{name}-0001"], "keep_alive": "auto", "prices": prices}
+
+    config = ServeConfig.model_validate(
+        {
+            "tenants": [
+                tenant("broken", {"preset": "gemini"}),
+                tenant("good", {"preset": "gemini"}),
+                tenant("cheap", {"preset": "openai"}),
+                tenant("free", None),
+            ]
+        }
+    )
+    url = f"unix://{redis_client.socket_file}"
+    redis_client.set(EntryReuse.index_key("broken"), "not a sorted set")
+    once = f"kvgrid:pin:good:{'c' * 32}"
+
+    async def run():
+        gw = Gateway(config, KeyRing.from_config(config), demo_path, [None], url)
+        try:
+            now = time.time()
+            await gw.keep_alive.store.note_use("good", once, [1, 2, 3], 0.3, False, now)
+            redis_client.set(once, 1, px=300)
+            await wait_for_async(lambda: gw.keep_alive.store.counters("good"), lambda c: c["drop"] >= 1, 20)
+            await asyncio.sleep(0.3)  # a few more rounds, each failing for broken
+        finally:
+            await gw.close()
+        gw.keep_alive.start()
+        return gw.keep_alive._task
+
+    with caplog.at_level(logging.WARNING, logger="router.gateway.keep_alive"):
+        restarted = asyncio.run(asyncio.wait_for(run(), 60))
+    assert restarted is None
+    messages = [r.getMessage() for r in caplog.records]
+    never = [m for m in messages if "no entry of it is ever kept" in m]
+    assert len(never) == 2 and "cheap" in never[0] and "free" in never[1], never
+    failed = [m for m in messages if "round of broken failed" in m]
+    assert len(failed) == 1, messages
+    assert not any("round of good" in m for m in messages)
+
+
+async def wait_for_async(get, ok, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not ok(value := await get()):
+        assert time.monotonic() < deadline, value
+        await asyncio.sleep(0.05)
+    return value
+
+
+def _values(r, key: bytes) -> bytes:
+    """Everything a Redis key holds, joined (strings, hashes, sorted sets)."""
+    kind = r.type(key)
+    if kind == b"string":
+        return r.get(key)
+    if kind == b"hash":
+        return b"".join(k + v for k, v in r.hgetall(key).items())
+    if kind == b"zset":
+        return b"".join(m for m, _ in r.zrange(key, 0, -1, withscores=True))
+    return b""
+
+
 def _samples(text: str) -> dict[str, float]:
     return {
         s.name + "|" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())): s.value
@@ -287,7 +393,10 @@ def test_an_auto_entry_is_read_past_its_ttl_and_an_off_one_is_not(shared_server)
     server = shared_server
     system = f"Keep-alive check {random.randrange(10**9)}. " + SYSTEM
     clients = {"umbrella": an(server, "umbrella", SHARED_UMBRELLA_KEY), "globex": an(server, "globex", GLOBEX_KEY)}
-    ttl = 2.0  # seconds; the background task's round is a quarter of the shortest TTL it saw
+    # Seconds; the background task's round is a quarter of the shortest TTL it saw. The requests come TTL + 1.5 s
+    # apart: the second finds the first's entry 1.5 s expired, and the third comes TTL - 1.5 = 2.5 s before the
+    # entry's first keep (until the second use + 2 TTL) would end.
+    ttl = 4.0
 
     def ask(tenant: str, question: str):
         return (

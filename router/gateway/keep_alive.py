@@ -41,9 +41,10 @@ import redis.asyncio
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily
 
+from common.config import PricesConfig
 from common.hashing import token_bytes
-from router.gateway.economics import PRESETS, Prices, dollars, keep_cost, rebuild_cost
-from router.gateway.store import StoreUnavailable, _Backed
+from router.gateway.economics import PRESETS, SHORT_TTL_S, Prices, dollars, keep_cost, rebuild_cost
+from router.gateway.store import EntryStore, StoreUnavailable, _Backed
 
 if TYPE_CHECKING:
     from router.gateway.core import Gateway, Tenant
@@ -59,6 +60,8 @@ PERIOD_ENV = "KVGRID_KEEP_ALIVE_PERIOD_S"  # ...or exactly this (a test's or an 
 ROUND_BATCH = 512  # entries decided per tenant per round, at most
 REPIN_TIMEOUT_S = 60.0
 CLOSE_S = 2.0  # a stopping replica waits this long for a round in progress
+TOKENS_SLACK_S = 60.0  # an entry's stored tokens outlive its expiry by this much (its re-pin reads them after a keep)
+LOG_EVERY_S = 60.0  # a tenant whose rounds keep failing is logged at most this often
 ENTRY_PREFIX = "kvgrid:pin:"  # EntryStore.entry_key's
 
 
@@ -110,6 +113,30 @@ class Decision:
     reason: str
 
 
+def keep_budget(prices: Prices, tokens: int, ttl_s: float) -> float:
+    """``B``: the seconds past its TTL that one rebuild of an entry pays for holding it (0: rebuilding costs no
+    more than reading)."""
+    premium = rebuild_premium(prices, tokens, ttl_s)
+    if premium <= 0:
+        return 0.0
+    rate = hold_rate(prices, tokens, ttl_s)
+    return math.inf if rate <= 0 else premium / rate
+
+
+def never_keeps(prices: Prices) -> str | None:
+    """Why ``decide`` keeps no entry at all at these prices, whatever its tokens, TTL and reuse (None: it may
+    keep some). Step 1 of ``decide`` does not depend on the tokens or the TTL within a write price, so one TTL of
+    each write price (5 minutes, 1 hour) tells."""
+    if not prices.priced:
+        return "the tenant has no prices"
+    budgets = [keep_budget(prices, 1_000_000, ttl) for ttl in (SHORT_TTL_S, 3600.0)]
+    if any(b > ttl for b, ttl in zip(budgets, (SHORT_TTL_S, 3600.0))):
+        return None
+    if all(b <= 0 for b in budgets):
+        return "a cache write costs no more than a cache read"
+    return "holding an entry one more TTL costs as much as rebuilding it"
+
+
 def decide(prices: Prices, tokens: int, ttl_s: float, reuse: Reuse, expires: float, margin: float = MARGIN) -> Decision:
     """Whether to keep an entry of ``tokens`` (TTL ``ttl_s``, reused as ``reuse``) alive past ``expires``, and
     until when. A ski-rental rule with the entry's own reuse as the prediction:
@@ -131,11 +158,9 @@ def decide(prices: Prices, tokens: int, ttl_s: float, reuse: Reuse, expires: flo
     dropped at its deadline, and one whose gaps grow past what pays is dropped once such a gap is among its
     recent ones (and kept again once it is not). The decision depends on the entry's stored state only (not on
     the clock), so every gateway replica makes the same one."""
-    premium = rebuild_premium(prices, tokens, ttl_s)
-    if premium <= 0:
+    budget = keep_budget(prices, tokens, ttl_s)  # seconds past its TTL that one rebuild pays for
+    if budget <= 0:
         return Decision(False, expires, "rebuilding costs no more than reading")
-    rate = hold_rate(prices, tokens, ttl_s)
-    budget = math.inf if rate <= 0 else premium / rate  # seconds past its TTL that one rebuild pays for
     if budget <= ttl_s:
         return Decision(False, expires, "holding it one more TTL costs a rebuild")
     if not reuse.gaps:
@@ -151,7 +176,9 @@ def decide(prices: Prices, tokens: int, ttl_s: float, reuse: Reuse, expires: flo
 
 # -- Redis: each entry's reuse, the index of entries to decide, the decisions ------------------------------------
 
-# KEYS: stats, index. ARGV: member, now_ms, ttl_ms, n_tokens, history, life_ms, hit, tokens.
+# KEYS: stats, index, tokens. ARGV: member, now_ms, ttl_ms, n_tokens, history, life_ms, hit, slack_ms. Returns 1
+# when the entry's tokens are wanted (it was used before, and they are not stored), else 0. An existing tokens key
+# is made to outlive the entry's expiry by the slack.
 _NOTE_USE = """
 local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '-1')
@@ -167,45 +194,64 @@ if now > last then redis.call('HSET', KEYS[1], 'last', ARGV[2]) end
 redis.call('HINCRBY', KEYS[1], 'uses', 1)
 redis.call('HINCRBY', KEYS[1], 'hits', ARGV[7])
 redis.call('HSET', KEYS[1], 'ttl', ARGV[3], 'n', ARGV[4])
-if redis.call('HEXISTS', KEYS[1], 'tokens') == 0 then redis.call('HSET', KEYS[1], 'tokens', ARGV[8]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 local score = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '-1')
-if now + ttl > score then redis.call('ZADD', KEYS[2], now + ttl, ARGV[1]) end
+if now + ttl > score then
+  score = now + ttl
+  redis.call('ZADD', KEYS[2], score, ARGV[1])
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+local pttl = redis.call('PTTL', KEYS[3])
+if pttl == -2 then
+  if last >= 0 then return 1 end
+  return 0
+end
+local life = score - now + tonumber(ARGV[8])
+if pttl >= 0 and pttl < life then redis.call('PEXPIRE', KEYS[3], math.floor(life)) end
+return 0
+"""
+
+# The tokens of an entry used again, kept until its expiry in the index plus the slack. KEYS: tokens, index.
+# ARGV: member, now_ms, slack_ms, tokens.
+_PUT_TOKENS = """
+local score = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '-1')
+local life = score - tonumber(ARGV[2]) + tonumber(ARGV[3])
+if score >= 0 and life > 0 then redis.call('SET', KEYS[1], ARGV[4], 'PX', math.floor(life)) end
 """
 
 # A decision, applied only if the entry's expiry in the index is still the one decided on (another replica, or a
-# hit, has not changed it meanwhile). KEYS: index, entry, counters, stats. ARGV: member, old_ms, new_ms (-1: drop),
-# now_ms, kept token-seconds. Returns 1 when applied, 0 when the entry had changed, -1 when it had expired.
+# hit, has not changed it meanwhile). KEYS: index, entry, counters, tokens. ARGV: member, old_ms, new_ms (-1: drop),
+# now_ms, kept token-seconds, slack_ms, life_ms. Returns 1 when applied, 0 when the entry had changed, -1 when it
+# had expired. A drop deletes the entry's tokens (a later use stores them again); a keep makes them outlive it.
 _DECIDE = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
 local new = tonumber(ARGV[3])
-if new < 0 then
+local gone = new < 0 or redis.call('PTTL', KEYS[2]) == -2
+if gone then
   redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('DEL', KEYS[4])
   redis.call('HINCRBY', KEYS[3], 'drop', 1)
-  return 1
-end
-local pttl = redis.call('PTTL', KEYS[2])
-if pttl == -2 then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-  redis.call('HINCRBY', KEYS[3], 'drop', 1)
+  if new < 0 then return 1 end
   return -1
 end
 local left = new - tonumber(ARGV[4])
+local pttl = redis.call('PTTL', KEYS[2])
 if pttl >= 0 and pttl < left then redis.call('PEXPIRE', KEYS[2], math.floor(left)) end
+local tp = redis.call('PTTL', KEYS[4])
+local life = left + tonumber(ARGV[6])
+if tp >= 0 and tp < life then redis.call('PEXPIRE', KEYS[4], math.floor(life)) end
 redis.call('ZADD', KEYS[1], new, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('HINCRBY', KEYS[3], 'keep', 1)
 redis.call('HINCRBY', KEYS[3], 'kept_token_seconds', ARGV[5])
-redis.call('HINCRBY', KEYS[4], 'kept_ms', new - tonumber(ARGV[2]))
 return 1
 """
 
 
 def _member(tenant: str, entry_key: str) -> str:
-    prefix = f"{ENTRY_PREFIX}{tenant}:"
-    if not entry_key.startswith(prefix):
-        raise ValueError(f"{entry_key!r} is not an entry of tenant {tenant!r}")
-    return entry_key[len(prefix) :]
+    EntryStore._check(tenant, entry_key)
+    return entry_key[len(f"{ENTRY_PREFIX}{tenant}:") :]
 
 
 def _tokens_of(raw: bytes) -> list[int]:
@@ -234,19 +280,26 @@ class DueEntry:
 
 class EntryReuse(_Backed):
     """Each explicit entry's reuse, next to the entry (``EntryStore``'s ``kvgrid:pin:{tenant}:{h}``): a hash
-    ``kvgrid:keep:{tenant}:{h}`` (last use, recent gaps, uses, hits, TTL, its tokens, the time kept), forgotten
-    ``STATS_LIFE_S`` after the last use; the tenant's index of entries by expiry (``kvgrid:keep-index:{tenant}``,
-    a sorted set, ms) that the background task decides from; and the tenant's decision counters
-    (``kvgrid:keep-alive:{tenant}``: keep, drop, kept_token_seconds)."""
+    ``kvgrid:keep:{tenant}:{h}`` (last use, recent gaps, uses, hits, TTL, token count), forgotten
+    ``STATS_LIFE_S`` after the last use; the entry's tokens, which a keep re-pins (``kvgrid:keep-tokens:{tenant}:{h}``,
+    stored from its second use on, living until the entry's expiry plus ``TOKENS_SLACK_S``, deleted with a drop);
+    the tenant's index of entries by expiry (``kvgrid:keep-index:{tenant}``, a sorted set, ms, forgotten
+    ``STATS_LIFE_S`` after its last write) that the background task decides from; and the tenant's decision
+    counters (``kvgrid:keep-alive:{tenant}``: keep, drop, kept_token_seconds)."""
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
         super().__init__(client)
         self._note = client.register_script(_NOTE_USE)
+        self._put_tokens = client.register_script(_PUT_TOKENS)
         self._decide = client.register_script(_DECIDE)
 
     @staticmethod
     def stats_key(tenant: str, member: str) -> str:
         return f"kvgrid:keep:{tenant}:{member}"
+
+    @staticmethod
+    def tokens_key(tenant: str, member: str) -> str:
+        return f"kvgrid:keep-tokens:{tenant}:{member}"
 
     @staticmethod
     def index_key(tenant: str) -> str:
@@ -259,23 +312,27 @@ class EntryReuse(_Backed):
     async def note_use(
         self, tenant: str, entry_key: str, tokens: Sequence[int], ttl_s: float, hit: bool, now: float
     ) -> None:
-        """One use of the entry (a request with its breakpoint) at ``now``."""
+        """One use of the entry (a request with its breakpoint) at ``now``. Its tokens are sent only when they are
+        wanted: from its second use on, while they are not stored."""
         member = _member(tenant, entry_key)
-        await self._do(
-            self._note(
-                keys=[self.stats_key(tenant, member), self.index_key(tenant)],
-                args=[
-                    member,
-                    int(now * 1000),
-                    max(1, int(ttl_s * 1000)),
-                    len(tokens),
-                    HISTORY,
-                    int(STATS_LIFE_S * 1000),
-                    int(hit),
-                    token_bytes(tokens),
-                ],
-            )
+        index, tokens_key, now_ms = self.index_key(tenant), self.tokens_key(tenant, member), int(now * 1000)
+        slack_ms = int(TOKENS_SLACK_S * 1000)
+        args: list[str | int] = [
+            member,
+            now_ms,
+            max(1, int(ttl_s * 1000)),
+            len(tokens),
+            HISTORY,
+            int(STATS_LIFE_S * 1000),
+            int(hit),
+        ]
+        wanted = await self._do(
+            self._note(keys=[self.stats_key(tenant, member), index, tokens_key], args=[*args, slack_ms])
         )
+        if int(wanted):
+            await self._do(
+                self._put_tokens(keys=[tokens_key, index], args=[member, now_ms, slack_ms, token_bytes(tokens)])
+            )
 
     async def due(self, tenant: str, before: float, limit: int = ROUND_BATCH) -> list[DueEntry]:
         """The tenant's entries expiring before ``before``, soonest first, with their reuse."""
@@ -317,15 +374,23 @@ class EntryReuse(_Backed):
                         self.index_key(entry.tenant),
                         entry.entry_key,
                         self.counters_key(entry.tenant),
-                        self.stats_key(entry.tenant, entry.member),
+                        self.tokens_key(entry.tenant, entry.member),
                     ],
-                    args=[entry.member, entry.expires_ms, new, int(now * 1000), kept_token_s],
+                    args=[
+                        entry.member,
+                        entry.expires_ms,
+                        new,
+                        int(now * 1000),
+                        kept_token_s,
+                        int(TOKENS_SLACK_S * 1000),
+                        int(STATS_LIFE_S * 1000),
+                    ],
                 )
             )
         )
 
     async def tokens(self, entry: DueEntry) -> list[int] | None:
-        raw = await self._do(self.r.hget(self.stats_key(entry.tenant, entry.member), "tokens"))
+        raw = await self._do(self.r.get(self.tokens_key(entry.tenant, entry.member)))
         return None if raw is None else _tokens_of(bytes(raw, "latin-1") if isinstance(raw, str) else raw)
 
     async def counters(self, tenant: str) -> dict[str, int]:
@@ -359,6 +424,20 @@ class _TenantCounters:
         ).labels(name)
 
 
+def period_from_env() -> float | None:
+    """``$KVGRID_KEEP_ALIVE_PERIOD_S``: a finite number of seconds > 0, or None when unset (or empty)."""
+    raw = os.environ.get(PERIOD_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{PERIOD_ENV}={raw!r}: must be a finite number of seconds > 0")
+    return value
+
+
 class KeepAlive:
     """One gateway replica's keep-alive: it notes every use of an explicit entry of a tenant with
     ``keep_alive: auto`` (``used``) and, every round (``period_s``: a quarter of the shortest TTL noted, at most
@@ -369,16 +448,21 @@ class KeepAlive:
         self.store = EntryReuse(gw.redis)
         self.auto = {name: t for name, t in gw.tenants.items() if t.config.keep_alive == "auto"}
         self.counters = {name: _TenantCounters(t) for name, t in gw.tenants.items()}
-        fixed = os.environ.get(PERIOD_ENV)
-        self.fixed_period_s = float(fixed) if fixed else None
+        self.fixed_period_s = period_from_env()
         self.period_s = self.fixed_period_s or MAX_PERIOD_S
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._closed = False
+        self._applying: set[asyncio.Task] = set()  # decisions being applied (shielded from a round's cancelling)
+        for name, t in self.auto.items():
+            if (why := never_keeps(t.prices)) is not None:
+                log.warning("tenant %s has keep_alive: auto, but no entry of it is ever kept: %s", name, why)
 
     def start(self) -> None:
-        """Start the background task in the running event loop (if a tenant has ``auto``; idempotent)."""
-        if not self.auto:
+        """Start the background task in the running event loop (if a tenant has ``auto``; idempotent; never again
+        once closed)."""
+        if not self.auto or self._closed:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -389,6 +473,7 @@ class KeepAlive:
             self._task = loop.create_task(self._run(), name="kvgrid-keep-alive")
 
     async def close(self) -> None:
+        self._closed = True
         task, self._task = self._task, None
         if task is not None:
             self._stop.set()
@@ -396,6 +481,8 @@ class KeepAlive:
             await asyncio.wait({task}, timeout=CLOSE_S)
             if not task.done():
                 task.cancel()
+        if self._applying:  # a cancelled round's decision in progress: applied and billed before the ledger closes
+            await asyncio.wait(set(self._applying), timeout=CLOSE_S)
 
     def used(
         self,
@@ -423,56 +510,79 @@ class KeepAlive:
         ]
 
     async def _run(self) -> None:
-        failing = False
+        failing: dict[str, float] = {}  # tenant -> when its failing round was last logged (monotonic)
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._wake.wait(), self.period_s)
             except TimeoutError:
                 pass
             self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                for t in self.auto.values():
+            for t in self.auto.values():  # a try per tenant: one tenant's failure stops no other's round
+                if self._stop.is_set():
+                    return
+                try:
                     await self.round(t, time.time())
-                if failing:
-                    log.warning("keep-alive: Redis is back")
-                failing = False
-            except StoreUnavailable as exc:
-                if not failing:
-                    log.warning("keep-alive: %s; entries are not kept until Redis is back", exc)
-                failing = True
-            except Exception:  # never let the task die: the next round tries again
-                log.exception("keep-alive round failed")
+                except Exception as exc:  # never let the task die: the next round tries again
+                    at = time.monotonic()
+                    if at - failing.get(t.name, -math.inf) >= LOG_EVERY_S:
+                        failing[t.name] = at
+                        log.warning(
+                            "keep-alive round of %s failed (%s: %s); its entries are not kept until a round succeeds"
+                            " (logged at most every %.0f s)",
+                            t.name,
+                            type(exc).__name__,
+                            exc,
+                            LOG_EVERY_S,
+                            exc_info=not isinstance(exc, StoreUnavailable),  # Redis down or refusing: no traceback
+                        )
+                else:
+                    if failing.pop(t.name, None) is not None:
+                        log.warning("keep-alive: the rounds of %s succeed again", t.name)
 
     async def round(self, t: Tenant, now: float) -> list[tuple[DueEntry, Decision, int]]:
         """Decide ``t``'s entries that expire within two rounds (and half their TTL) of ``now``: (entry, decision,
         applied) for each, where applied is ``EntryReuse.apply``'s answer. Kept entries are billed, and re-pinned in the
-        background."""
+        background. A stopping replica decides no further entry, and one decision in progress is applied and
+        billed whole (a cancelled round never leaves an entry extended but not billed)."""
         out = []
         for entry in await self.store.due(t.name, now + 2 * self.period_s):
+            if self._stop.is_set():
+                break
             if entry.expires_ms / 1000 - now > entry.ttl_s / 2:  # decided at most half a TTL ahead: a keep is
                 continue  # never decided again in the same round by another replica, nor bought ahead of time
             if entry.reuse is None or entry.tokens <= 0:
                 decision = Decision(False, entry.expires_ms / 1000, "its reuse was forgotten")
             else:
                 decision = decide(t.prices, entry.tokens, entry.ttl_s, entry.reuse, entry.expires_ms / 1000)
-            kept_s = max(0.0, decision.until - entry.expires_ms / 1000) if decision.keep else 0.0
-            applied = await self.store.apply(entry, decision, now, round(entry.tokens * kept_s))
+            applying = asyncio.get_running_loop().create_task(self._apply(t, entry, decision, now))
+            self._applying.add(applying)
+            applying.add_done_callback(self._applied)
+            applied = await asyncio.shield(applying)
             out.append((entry, decision, applied))
-            if applied == 0:  # another replica (or a request) got there first
-                continue
-            c = self.counters[t.name]
-            if decision.keep and applied == 1:
-                c.keep.inc()
-                cost = hold_cost(t.prices, entry.tokens, kept_s, entry.ttl_s)
-                c.kept.inc(round(entry.tokens * kept_s))
-                c.cost.inc(dollars(cost))
-                self.gw.ledger.record(t.name, storage_token_seconds=round(entry.tokens * kept_s), cost_pusd=cost)
-                self.gw.spawn(self._repin(t, entry, decision.until - now))  # a busy group holds no round up
-            else:
-                c.drop.inc()
         return out
+
+    def _applied(self, task: asyncio.Task) -> None:
+        self._applying.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the round awaiting it raises it (unless the round was cancelled, closing)
+
+    async def _apply(self, t: Tenant, entry: DueEntry, decision: Decision, now: float) -> int:
+        """Apply one decision and, when it is applied, count it, bill a keep and start its re-pin."""
+        kept_s = max(0.0, decision.until - entry.expires_ms / 1000) if decision.keep else 0.0
+        applied = await self.store.apply(entry, decision, now, round(entry.tokens * kept_s))
+        if applied == 0:  # another replica (or a request) got there first
+            return applied
+        c = self.counters[t.name]
+        if decision.keep and applied == 1:
+            c.keep.inc()
+            cost = hold_cost(t.prices, entry.tokens, kept_s, entry.ttl_s)
+            c.kept.inc(round(entry.tokens * kept_s))
+            c.cost.inc(dollars(cost))
+            self.gw.ledger.record(t.name, storage_token_seconds=round(entry.tokens * kept_s), cost_pusd=cost)
+            self.gw.spawn(self._repin(t, entry, decision.until - now))  # a busy group holds no round up
+        else:
+            c.drop.inc()
+        return applied
 
     async def _repin(self, t: Tenant, entry: DueEntry, ttl_s: float) -> None:
         """Pin the entry's blocks on a group for ``ttl_s`` more, by the request a hit on it sends (its tokens, with
@@ -641,7 +751,7 @@ def bench(
     """``kvgrid bench keep-alive``: the replay of each seeded workload at each preset's prices."""
     results = []
     for preset in presets:
-        prices = Prices(**{k: round(v * 1e6) for k, v in PRESETS[preset].items()}, preset=preset)
+        prices = Prices.from_config(PricesConfig(preset=preset))
         for seed in seeds:
             workload, horizon = sparse_workload(seed, entries, hours * 3600, ttl_s)
             costs = replay(prices, workload, horizon)
