@@ -145,6 +145,7 @@ class TenantConfig(_Strict):
     prices: PricesConfig | None = None  # None: usage is counted but not priced (every cost 0)
     advice: AdviceConfig = AdviceConfig()
     # Keep explicit (cache_control) entries warm past their TTL while their reuse pays (router/gateway/keep_alive.py).
+    # auto with prices that can never keep (none, or a write not dearer than a read) loads, with a warning at start.
     keep_alive: Literal["off", "auto"] = "off"
 
     @field_validator("keep_alive", mode="before")
