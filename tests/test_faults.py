@@ -249,7 +249,7 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
         in_flight = [r for r in lost if r.start < f.end]
         print(f"  in flight on the killed gateway replica: {len(in_flight)}: {[r.detail for r in in_flight[:3]]}")
         assert len(in_flight) <= rig.load.clients, f"gateway: {len(in_flight)} in-flight requests lost"
-        lost = [r for r in lost if r.start >= f.at]
+        lost = [r for r in lost if r.start >= f.end]
     fault_end = f.recovered or post_end
     steady_p50, steady_p99, fault_p99 = {}, {}, {}
     for t in TENANTS:
