@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from router.gateway import protocol as p
 from router.gateway.core import ApiError, err
 
@@ -62,6 +64,37 @@ def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_f
     assert sse_data(p.OpenAIStreamError(error=p.OpenAIStreamErrorDetail(message="m", type="api_error")).sse()) == {
         "error": {"message": "m", "type": "api_error"}
     }
+
+
+def test_a_text_chunk_template_gives_the_event_the_models_give_for_any_text():
+    def render(chat: bool, index: int, text: str) -> str:
+        choice = (
+            p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text), finish_reason=None)
+            if chat
+            else p.CompletionChunkChoice(index=index, text=text, finish_reason=None)
+        )
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        return p.OpenAIChunk(id='cmpl-"1', object=obj, created=5, model="dé/mo", choices=[choice]).sse()
+
+    texts = ["", "hello", 'a "quote" and a \\ back', "new\nline\ttab\r\x00\x1f\x7f", "ünï 😀", "\u2028\u2029"]
+    texts.append(p.SseTemplate._MARK)  # the placeholder itself is just text once the template is made
+    for chat in (False, True):
+        for index in (0, 3):
+            fill = p.SseTemplate(lambda text, chat=chat, index=index: render(chat, index, text))
+            for text in texts:
+                event = fill(text)
+                assert event.startswith("data: ") and event.endswith("\n\n")
+                assert sse_data(event) == sse_data(render(chat, index, text)), text
+                got = sse_data(event)["choices"][0]
+                assert (got["delta"]["content"] if chat else got["text"]) == text and got["index"] == index
+
+
+def test_a_template_needs_its_placeholder_exactly_once():
+    with pytest.raises(ValueError):
+        p.SseTemplate(lambda text: "data: {}\n\n")
+    with pytest.raises(ValueError):
+        twice = lambda text: "data: [%s, %s]\n\n" % ((json.dumps(text, ensure_ascii=False),) * 2)  # noqa: E731
+        p.SseTemplate(twice)
 
 
 def test_openai_bodies_keep_their_nulls():

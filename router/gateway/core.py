@@ -410,26 +410,44 @@ async def _client_gone(request: Request) -> None:
 
 async def watched(request: Request, run: AsyncGenerator[T, None], api: str) -> AsyncGenerator[T, None]:
     """``run``'s items until the client disconnects; then ``run`` is stopped (its group request aborted) and a
-    499 raised, whatever headers the client sent."""
+    499 raised, whatever headers the client sent.
+
+    The disconnect cancels the task waiting for ``run``'s next item, if one is (the task reading this
+    generator, whichever it is at the time); a disconnect while the reader is elsewhere (writing the last item
+    out) is raised when it asks for the next one. No task per item: a stream's tokens cost one await each."""
     gone = asyncio.ensure_future(_client_gone(request))
-    step: asyncio.Future | None = None
+    waiting: asyncio.Task | None = None  # the task awaiting run's next item, while one is
+    left = False
+
+    def on_gone(f: asyncio.Future) -> None:
+        nonlocal left
+        if f.cancelled():
+            return
+        left = True
+        if waiting is not None:
+            waiting.cancel()
+
+    gone.add_done_callback(on_gone)
     try:
         while True:
-            step = asyncio.ensure_future(run.__anext__())
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
+            if left:
                 raise err(499, "the client closed the request", api)
+            waiting = asyncio.current_task()
             try:
-                item = step.result()
+                item = await run.__anext__()
             except StopAsyncIteration:
                 return
-            step = None
+            except asyncio.CancelledError:
+                # Ours (the client left) unless the task was also cancelled by someone else: that one goes on.
+                if not left or waiting is None or waiting.uncancel() > 0:
+                    raise
+                raise err(499, "the client closed the request", api) from None
+            finally:
+                waiting = None
             yield item
     finally:
+        gone.remove_done_callback(on_gone)
         gone.cancel()
-        if step is not None and not step.done():
-            step.cancel()  # runs ``run``'s own cleanup (abort on the group, usage) inside the step
-            await asyncio.wait({step})
         await run.aclose()
 
 

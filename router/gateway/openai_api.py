@@ -33,6 +33,7 @@ from router.gateway.protocol import (
     OpenAIStreamError,
     OpenAIStreamErrorDetail,
     OpenAIUsage,
+    SseTemplate,
     TextCompletion,
     TokenLogprob,
     ToolCallDelta,
@@ -350,6 +351,24 @@ class OpenAIApi:
                     )
             lasts: dict[int, RequestOutput] = {}
             offsets = [0] * n  # completions: text offset of each choice's next token
+            plain: dict[int, SseTemplate] = {}  # per choice: a text chunk that is not the last, without logprobs
+
+            def text_chunk(index: int, text: str) -> str:
+                fill = plain.get(index)
+                if fill is None:
+                    if chat:
+                        fill = SseTemplate(
+                            lambda x: chunk(
+                                ChatChunkChoice(index=index, delta=ChatDelta(content=x), finish_reason=None)
+                            )
+                        )
+                    else:
+                        fill = SseTemplate(
+                            lambda x: chunk(CompletionChunkChoice(index=index, text=x, finish_reason=None))
+                        )
+                    plain[index] = fill
+                return fill(text)
+
             async for out, _ in run:
                 lasts[out.index] = out
                 new = len(out.new_token_ids) if out.logprobs is not None else 0
@@ -389,6 +408,8 @@ class OpenAIApi:
                                     logprobs=self._chat_logprobs(out, new) if new else None,
                                 )
                             )
+                    elif not new and reason is None:  # the common chunk: new text only
+                        yield text_chunk(out.index, out.delta_text)
                     elif chat:
                         yield chunk(
                             ChatChunkChoice(

@@ -13,6 +13,8 @@ String message content is normalised to a one-element list of text parts, so the
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -450,6 +452,24 @@ class _Reply(BaseModel):
         """This object as one server-sent event: ``data: {json}``, under ``event: {event}`` when given."""
         data = f"data: {self.model_dump_json()}\n\n"
         return data if event is None else f"event: {event}\n{data}"
+
+
+class SseTemplate:
+    """A server-sent event rendered once around a placeholder text, then filled per call by splicing a JSON string
+    in: the event ``render(text)`` would give (the same JSON, parsed), without building and dumping the models
+    again. A stream's text chunks differ only in their text, and one is sent per token."""
+
+    _MARK = "\ue000kvgrid-text\ue001"  # private-use characters: JSON writes them as they are
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        quoted = json.dumps(self._MARK, ensure_ascii=False)
+        parts = render(self._MARK).split(quoted)
+        if len(parts) != 2:
+            raise ValueError("the rendered event must hold the placeholder text exactly once")
+        self.head, self.tail = parts
+
+    def __call__(self, text: str) -> str:
+        return f"{self.head}{json.dumps(text, ensure_ascii=False)}{self.tail}"
 
 
 class _OmitNone(_Reply):
