@@ -33,3 +33,56 @@ def test_a_working_onednn_op_is_kept_and_matches_f_linear(monkeypatch):
     x, w, b = (torch.randn(*shape, generator=g) for shape in ((4, 16), (7, 16), (7,)))
     torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert linear_mod._use_onednn is True
+
+
+def _packed(engine) -> list[str]:
+    return [n for n, p in engine.runner.model.named_parameters() if getattr(p, "packed", None) is not None]
+
+
+@pytest.mark.parametrize("variant", ["demo", "demo:qwen2"])  # qwen2's LM head is tied to its embedding
+def test_bfloat16_engines_pack_their_linears_and_compute_what_the_dense_weights_do(variant, monkeypatch):
+    import random
+
+    import worker.engine as engine_mod
+    from common.sampling import SamplingParams
+    from worker.engine import Engine, EngineConfig
+
+    if linear_mod._onednn_linear is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN linear: nothing is packed")
+    config = EngineConfig(model=variant, device="cpu", dtype="bfloat16", num_blocks=64)
+    packed = Engine(config)
+    model = packed.runner.model
+    names = _packed(packed)
+    tied = model.cfg.tie_word_embeddings
+    layers = model.cfg.num_layers
+    assert len(names) == 4 * layers + (0 if tied else 1), names  # qkv, o, gate_up, down per layer (+ the head)
+    assert ("lm_head.weight" in names) == (not tied)
+    params = dict(model.named_parameters())
+    assert all(params[n].numel() == 0 for n in names)  # the dense copies are gone
+    assert model.model.embed_tokens.weight.numel() > 0
+    monkeypatch.setattr(engine_mod, "pack_linear_weights", lambda m: 0)
+    dense = Engine(config)
+    assert not _packed(dense)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    for a, b in zip(packed.generate(prompts, params), dense.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-3)
+
+
+def test_float32_engines_pack_nothing():
+    from worker.engine import Engine, EngineConfig
+
+    assert not _packed(Engine(EngineConfig(model="demo", device="cpu", dtype="float32", num_blocks=16)))
+
+
+def test_a_packing_probe_that_disagrees_packs_nothing(monkeypatch):
+    if linear_mod._onednn_linear is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN linear")
+    layer = linear_mod.ColumnParallelLinear(16, 8).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    real = linear_mod._onednn_linear
+    monkeypatch.setattr(linear_mod, "_onednn_linear", lambda x, w, *a: real(x, w, *a) + 1)  # a wrong kernel
+    assert linear_mod.pack_linear_weights(torch.nn.Sequential(layer)) == 0
+    assert getattr(layer.weight, "packed", None) is None and layer.weight.numel() == 16 * 8

@@ -29,6 +29,7 @@ from worker.attention import get_backend
 from worker.distributed import tp_size
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
+from worker.layers.linear import pack_linear_weights
 from worker.model_runner import ModelRunner
 from worker.models.demo_model import resolve_model
 from worker.output_processor import OutputProcessor
@@ -147,6 +148,8 @@ def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> Mod
     runner.decode_threads = config.decode_threads
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
     runner.enable_kv_tiers(config.kv_tiers, secret if secret is not None else engine_secret(config))
+    if device.type == "cpu" and dtype == torch.bfloat16:  # after the tiers' fingerprint, which reads the weights
+        pack_linear_weights(runner.model)
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))
     return runner

@@ -36,6 +36,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary: each rank scores its slice, then the slices are gathered."""
 
+    packable = True  # unless tied to the embedding (pack_linear_weights leaves shared weights alone)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = all_gather(linear(hidden, self.weight), dim=-1)
         return logits[..., : self.vocab_size]
