@@ -431,3 +431,38 @@ def test_a_paused_redis_answers_quickly_and_everything_works_after(stack):
     assert chat(oa(server), "And after the pause?").choices[0].finish_reason in ("length", "stop")
     usage = read_usage(redis.Redis.from_url(server.redis_url), "acme")
     assert usage["requests"] > 0
+
+
+def test_every_router_replica_hears_of_its_requests_first_tokens_and_ends(server):
+    """Gateways report first tokens and ends in batches (``RouterReports``): a replica counts a running stream
+    once its first token is out, and nothing once every request has ended."""
+
+    def loads() -> list[tuple[int, int]]:  # per router replica: (running, queued prefill tokens) over its groups
+        views = _admin(server, "/groups").json()["router_groups"]
+        assert views and all(v is not None for v in views)
+        return [
+            (sum(g["running"] for g in v.values()), sum(g["queued_prefill_tokens"] for g in v.values())) for v in views
+        ]
+
+    wait_for(lambda: all(v == (0, 0) for v in loads()), 10, "the routers to count no load")
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST",
+            f"{server.base}/acme/v1/completions",
+            headers=_h("acme"),
+            json={
+                "model": "demo",
+                "prompt": "Reported stream: the harbour ferry",
+                "max_tokens": ABANDONED,
+                "ignore_eos": True,  # it runs until the client leaves
+                "stream": True,
+            },
+        ) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            # exactly 1 of 2 replicas: the gateway passed the replica count as the request's n (fixed)
+            wait_for(lambda: sum(r for r, _ in loads()) == 1, 10, "the routing replica to count the stream as running")
+            assert all(q == 0 for _, q in loads())  # its prefill is done
+    for i in range(3):
+        assert _completion(server, "acme", f"Reported request {i}: the harbour ferry", 8).status_code == 200
+    wait_for(lambda: all(v == (0, 0) for v in loads()), 5, "every end to reach the routers")

@@ -31,6 +31,7 @@ class Replica:
         self.asked_at: list[float] = []
         self.forgot: list[str] = []
         self.finished: list[str] = []
+        self.choices: list[int] = []  # the n each route call carried
         self.route = SimpleNamespace(remote=self._route)
         self.cancel_route = SimpleNamespace(remote=self.forgot.append)
         self.on_finish = SimpleNamespace(remote=self.finished.append)
@@ -39,6 +40,7 @@ class Replica:
         self, tenant: str, prompt: list[int], attempt: str, failed: list[str], cache_key: str | None = None, n: int = 1
     ):
         self.asked.append(attempt)
+        self.choices.append(n)
         self.asked_at.append(time.monotonic())
         if self.gate is not None:
             await self.gate.wait()
@@ -228,5 +230,44 @@ def test_an_overload_with_no_decision_answers_429():
         with pytest.raises(ApiError) as err:
             await route(gw)
         assert err.value.status == 429
+
+    asyncio.run(scenario())
+
+
+def test_request_events_reach_each_replica_in_order_in_one_call_per_interval():
+    from router.gateway.core import RouterReports
+
+    calls: dict[str, list[list[tuple[str, str]]]] = {"a": [], "b": []}
+    a, b = (SimpleNamespace(report=SimpleNamespace(remote=calls[n].append)) for n in "ab")
+
+    async def scenario():
+        reports = RouterReports(interval_s=0.05)
+        reports.add(a, "prefill_done", "r1")
+        reports.add(b, "prefill_done", "r2")
+        reports.add(a, "finish", "r1")
+        assert calls == {"a": [], "b": []}  # nothing before the interval is up
+        await asyncio.sleep(0.1)
+        assert calls == {"a": [[("prefill_done", "r1"), ("finish", "r1")]], "b": [[("prefill_done", "r2")]]}
+        reports.add(b, "finish", "r2")
+        reports.flush()  # what closing the gateway does: sent now, and no timer left to send it twice
+        await asyncio.sleep(0.1)
+        assert calls["b"] == [[("prefill_done", "r2")], [("finish", "r2")]] and len(calls["a"]) == 1
+
+    asyncio.run(scenario())
+
+
+def test_each_replica_asked_gets_the_requests_own_n_whatever_the_number_of_replicas():
+    slow, fast, third = Replica("slow", delay_s=None), Replica("fast"), Replica("third")
+    gw = gateway(slow, fast, third)
+
+    async def scenario():
+        for n in (1, 4):
+            await Gateway._route(gw, SimpleNamespace(name="acme"), [1, 2, 3], f"acme-{n}-0", [], "openai", n=n)
+        # the request's n, never the replica count (it once was: a request counted as 3 running)
+        assert slow.choices + fast.choices + third.choices and set(slow.choices + fast.choices + third.choices) <= {
+            1,
+            4,
+        }
+        assert 4 in slow.choices + fast.choices + third.choices
 
     asyncio.run(scenario())

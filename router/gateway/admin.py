@@ -173,16 +173,19 @@ class Admin:
             except (TimeoutError, RayError):
                 index_keys.append(None)
         routers = []  # each replica's process (a new pid after Ray restarted it); null if it does not answer
+        router_groups = []  # each replica's view of the groups: paused, index keys, the load it counts
         for r in self.routers:
-            try:
-                routers.append(await asyncio.wait_for(r.info.remote(), CALL_TIMEOUT_S))
-            except (TimeoutError, RayError):
-                routers.append(None)
+            for out, call in ((routers, r.info), (router_groups, r.groups)):
+                try:
+                    out.append(await asyncio.wait_for(call.remote(), CALL_TIMEOUT_S))
+                except (TimeoutError, RayError):
+                    out.append(None)
         return {
             "groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S),
             "index_keys": index_keys,
             "supervisor": await _call(self.supervisor.info.remote()),
             "routers": routers,
+            "router_groups": router_groups,
         }
 
     @routes.post("/v1/scale")

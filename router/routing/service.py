@@ -195,6 +195,16 @@ class RouterService:
     def on_prefill_done(self, request_id: str) -> None:
         self.router.on_prefill_done(request_id)
 
+    def report(self, events: Sequence[tuple[str, str]]) -> None:
+        """A gateway's request events since its last report, in the order they happened: ``("prefill_done",
+        request_id)`` (``on_prefill_done``) and ``("finish", request_id)`` (``on_finish``); other kinds are
+        ignored."""
+        for kind, request_id in events:
+            if kind == "prefill_done":
+                self.router.on_prefill_done(request_id)
+            elif kind == "finish":
+                self.router.on_finish(request_id)
+
     def on_finish(self, request_id: str) -> None:
         self.router.on_finish(request_id)
 
