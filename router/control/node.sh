@@ -27,6 +27,8 @@ RAY_PORT=${KVGRID_RAY_PORT:-6379}
 # refuses to let a worker join its head.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# Ray's workers (every kvgrid actor) at the default priority, not Ray's nice 15 (see worker/group.py init_local_ray).
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 
 node_ip() {
     if [ -n "${KVGRID_NODE_IP:-}" ]; then
