@@ -172,8 +172,8 @@ class Admin:
                 index_keys.append(await asyncio.wait_for(r.index_key_counts.remote(), CALL_TIMEOUT_S))
             except (TimeoutError, RayError):
                 index_keys.append(None)
-        routers = []  # each replica's process (a new pid after Ray restarted it); null if it does not answer
-        router_groups = []  # each replica's view of the groups: paused, index keys, the load it counts
+        routers: list[dict | None] = []  # each replica's process (a new pid after Ray restarted it); null if silent
+        router_groups: list[dict | None] = []  # each replica's view of the groups: paused, index keys, its load
         for r in self.routers:
             for out, call in ((routers, r.info), (router_groups, r.groups)):
                 try:

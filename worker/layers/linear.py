@@ -20,7 +20,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a weight that ``pack_linear_weights`` made."""
     global _use_onednn
     packed = getattr(weight, "packed", None)
-    if packed is not None:
+    if packed is not None and _onednn_linear is not None:  # (packed only where the op exists)
         return _onednn_linear(x, packed, bias, "none", [], "")
     if (
         _onednn_linear is not None
@@ -77,8 +77,10 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
     except Exception:  # whatever the private ops raise, the dense weights compute the same thing
         return 0
     for m, p in zip(layers, packed):
-        m.weight.packed = p
-        m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+        weight = m.weight
+        assert isinstance(weight, torch.Tensor)
+        weight.packed = p  # type: ignore[attr-defined]
+        weight.data = torch.empty(0, dtype=weight.dtype)
     return len(layers)
 
 
