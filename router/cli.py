@@ -76,7 +76,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.grammar:
         bench.run_grammar(**common)
     else:
-        bench.run(prompt_len=args.prompt_len, cached=args.cached, **common)
+        bench.run(prompt_len=args.prompt_len, cached=args.cached, decode_threads=args.decode_threads, **common)
     return 0
 
 
@@ -388,6 +388,13 @@ def _add_bench_engine(bsub) -> None:
     e.add_argument("--cached", type=int, default=1984, help="prompt tokens shared with an earlier request")
     e.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     e.add_argument("--decode-steps", type=int, default=64)
+    e.add_argument(
+        "--decode-threads",
+        type=int,
+        default=None,
+        help="CPU: decode-only steps on this many threads, the others on all of torch's (kvgrid serve's "
+        "decode_cpus_per_rank; default: every step on all)",
+    )
     e.add_argument("--repeats", type=int, default=5)
     e.add_argument("--device", default="auto")
     e.add_argument(

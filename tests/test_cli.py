@@ -75,3 +75,19 @@ def test_the_cli_logs_kvgrid_diagnostics_from_info_and_other_libraries_from_warn
     assert lines[0].endswith(" INFO router.routing.service: group g0 paused")
     assert lines[1].endswith(" WARNING worker.engine: request r1 failed")
     assert lines[2].endswith(" WARNING httpx: httpx warned")
+
+
+def test_bench_engine_reports_decode_and_the_closed_loop_of_bench_serve(demo_path, capsys):
+    import json
+
+    from router.cli import main
+
+    flags = ["--prompt-len", "64", "--cached", "32", "--batch", "1", "3", "--decode-steps", "4", "--repeats", "1"]
+    assert main(["bench", "engine", "--model", str(demo_path), "--decode-threads", "1", *flags, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["hit_cached_tokens"] == 32 and r["ttft_cold_ms"] > 0
+    assert set(r["decode_tokens_per_s"]) == {"1", "3"} and min(r["decode_tokens_per_s"].values()) > 0
+    loop = r["closed_loop"]
+    assert (loop["prompt_tokens"], loop["output_tokens"]) == (128, 64)
+    for streams in ("1", "3"):
+        assert loop[streams]["tokens_per_s"] > 0 and loop[streams]["step_ms"] > 0 and loop[streams]["step_cpu_ms"] > 0

@@ -118,6 +118,15 @@ def test_second_request_reuses_full_blocks_of_a_finished_one(demo_path):
     assert engine.stats().computed_tokens - before == 30 + len(out.token_ids) - 1
 
 
+def test_stats_count_the_steps_that_computed_and_their_time(demo_path):
+    engine = engine_for(demo_path)
+    engine.generate([list(range(10, 40))], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    s = engine.stats()
+    assert s.steps == 6  # one prefill, then a decode per token after the first
+    assert s.step_seconds > 0 and s.step_cpu_seconds > 0
+    assert engine.step() == [] and engine.stats().steps == 6  # a step with nothing to compute is not counted
+
+
 def test_identical_block_aligned_prompt_recomputes_its_last_block(demo_path):
     engine = engine_for(demo_path)
     prompt = list(range(100, 164))  # exactly 4 blocks

@@ -286,3 +286,28 @@ def test_trace_replay_sends_the_trace_prompts(server, capsys):
     assert r["prompt_tokens"] == sum(math.ceil(e.input_length * 64 / 512) for e in entries)
     # Hash id 0 (the trace's system prompt, 64 tokens here) starts every request: the later ones reuse it.
     assert r["cached_share"] > 0
+
+
+def test_cpu_per_process_names_the_servers_processes_and_the_load_generator(server, capsys):
+    flags = ["--input-len", "64", "--output-len", "16", "--num-requests", "8", "--concurrency", "4", "--seed", "7"]
+    r = bench(server, capsys, *flags, "--cpu-per-process")
+    cpu = r["cpu_ms_per_1000_tokens"]
+    assert r["completed"] == 8 and cpu["load generator"] > 0
+    # the group's rank computed every token: it shows under its actor class, with its share of the CPU
+    assert cpu.get("ray::RankActor", 0) > 0, cpu
+    assert list(cpu.values()) == sorted(cpu.values(), reverse=True)
+    assert "cpu_ms_per_1000_tokens" not in bench(server, capsys, *flags)
+
+
+def test_process_labels_and_the_per_token_table():
+    from router.sim import proc_cpu
+
+    assert proc_cpu.label(["ray::RankActor.subscribe"], "ray::RankActor") == "ray::RankActor"
+    assert proc_cpu.label(["/usr/bin/python3", "-m", "router.cli", "serve"], "python3") == "python -m router.cli"
+    assert proc_cpu.label(["python", "bench/side_by_side.py"], "python") == "python side_by_side.py"
+    assert proc_cpu.label([], "raylet") == "raylet"
+    used = {"a": 0.5, "b": 1.0, "tiny": 0.001, "tiny2": 0.001}
+    assert proc_cpu.table(used, 0.25, 1000) == {"b": 1000.0, "a": 500.0, "load generator": 250.0, "other": 2.0}
+    before = {1: (1.0, "a"), 2: (5.0, "b")}
+    after = {1: (1.5, "a"), 2: (5.0, "b"), 3: (0.25, "c"), 4: (9.0, "me")}
+    assert proc_cpu.per_process(before, after, skip_pid=4) == {"a": 0.5, "c": 0.25}

@@ -43,6 +43,39 @@ def _decode_rate(
     return tokens / elapsed
 
 
+def _closed_loop(
+    engine: Engine, streams: int, prompt_len: int, output_len: int, requests: int, rng: random.Random
+) -> dict[str, float]:
+    """``kvgrid bench serve``'s random workload in-process: ``streams`` requests at a time, each of ``prompt_len``
+    new random tokens and ``output_len`` greedy tokens, the next one added as one finishes, until ``requests``
+    have. Output tokens per second from the first submit to the last token, prefills included (what the HTTP
+    figure of the same workload is compared to), and the mean step's wall and engine-thread CPU time."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    before = engine.stats()
+    start = time.perf_counter()
+    sent = done = tokens = 0
+    for _ in range(min(streams, requests)):
+        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+        sent += 1
+    while done < requests:
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                done += 1
+                if sent < requests:
+                    engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+                    sent += 1
+    elapsed = time.perf_counter() - start
+    after = engine.stats()
+    steps = max(1, after.steps - before.steps)
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "step_ms": (after.step_seconds - before.step_seconds) / steps * 1e3,
+        "step_cpu_ms": (after.step_cpu_seconds - before.step_cpu_seconds) / steps * 1e3,
+    }
+
+
 def run(
     model: str = "demo",
     prompt_len: int = 2048,
@@ -54,6 +87,8 @@ def run(
     as_json: bool = False,
     cuda_graphs: bool = True,
     dtype: str = "auto",
+    decode_threads: int | None = None,
+    closed_loop: tuple[int, int] = (128, 64),
 ) -> dict:
     engine = Engine(
         EngineConfig(
@@ -62,6 +97,7 @@ def run(
             max_num_batched_tokens=max(2048, prompt_len),
             cuda_graphs=cuda_graphs,
             dtype=dtype,
+            decode_threads=decode_threads,
         )
     )
     bs = engine.config.block_size
@@ -90,6 +126,11 @@ def run(
         "hit_cached_tokens": hit_cached,
         "ttft_ratio": statistics.median(hit) / statistics.median(cold),
         "decode_tokens_per_s": {b: _decode_rate(engine, b, 128, decode_steps, rng) for b in batches},
+        "closed_loop": {
+            "prompt_tokens": closed_loop[0],
+            "output_tokens": closed_loop[1],
+            **{str(b): _closed_loop(engine, b, *closed_loop, 8 * b, rng) for b in batches},
+        },
     }
     if as_json:
         print(json.dumps(result, indent=2))
@@ -101,6 +142,17 @@ def run(
         print(f"  TTFT(hit) / TTFT(cold):                  {result['ttft_ratio']:8.3f}  (target <= 0.10)")
         for b, rate in result["decode_tokens_per_s"].items():
             print(f"  decode, batch {b:3d}:                      {rate:8.1f} tokens/s")
+        loop = result["closed_loop"]
+        print(
+            f"  closed loop ({loop['prompt_tokens']} new prompt tokens + {loop['output_tokens']} out a request, "
+            "8 requests a stream, as kvgrid bench serve):"
+        )
+        for b in batches:
+            r = loop[str(b)]
+            print(
+                f"    {b:3d} streams: {r['tokens_per_s']:8.1f} tokens/s, steps {r['step_ms']:.2f} ms "
+                f"({r['step_cpu_ms']:.2f} ms CPU of the engine thread)"
+            )
     return result
 
 

@@ -121,6 +121,10 @@ class EngineStats:
     disk_hit_blocks: int = 0
     tier_load_bytes: int = 0
     tier_load_seconds: float = 0.0
+    # Steps that computed a batch since the engine started, their wall time and their thread's CPU time.
+    steps: int = 0
+    step_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
 
 
 def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -188,6 +192,8 @@ class Engine:
         # n > 1: request id -> [n, choices not finished yet]; KV block copies the next step makes first.
         self._choices: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int]] = []
+        self._stepped = False  # the step running computed a batch
+        self._step_totals = [0.0, 0.0, 0.0]  # steps that computed, their wall seconds, their CPU seconds
 
     @property
     def num_blocks(self) -> int:
@@ -282,7 +288,19 @@ class Engine:
     # -- stepping ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch: schedule, compute, sample, and report every request that produced tokens."""
+        """Run one batch: schedule, compute, sample, and report every request that produced tokens. Counts the
+        steps that computed something and their wall and thread CPU time (``stats``: a step's wall time well
+        over its CPU time is a step that waited for a core)."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        outs = self._step()
+        if self._stepped:
+            self._stepped = False
+            self._step_totals[0] += 1
+            self._step_totals[1] += time.perf_counter() - wall
+            self._step_totals[2] += time.thread_time() - cpu
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         now = time.monotonic()
         if self.kv.expire_pins(now) and self._pin_entries:
             self._prune_pin_entries(now)
@@ -299,6 +317,7 @@ class Engine:
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
             return []
         copies, self._block_copies = tuple(self._block_copies), []
+        self._stepped = True
         self.sampler.prefetch(batch)  # structured outputs' masks, computed while the model runs
         logits = self.runner.run(batch, copies, kv_ops)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
@@ -492,6 +511,9 @@ class Engine:
             computed_tokens=sched.num_computed_tokens,
             prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},
             **_tier_fields(self.kv.tier_stats()),
+            steps=int(self._step_totals[0]),
+            step_seconds=self._step_totals[1],
+            step_cpu_seconds=self._step_totals[2],
         )
 
     def close(self, max_s: float = 5.0) -> None:

@@ -91,7 +91,8 @@ class RankActor:
         self._owner: dict[str, _Subscriber] = {}  # request id -> who reads its deltas
         self._choices_left: dict[str, int] = {}  # n > 1: request id -> its choices not finished yet
         self._background: set[asyncio.Task] = set()
-        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once a request came
+        self._stepping = False  # the step chain runs (read and written on the engine thread only)
         self.step_timeout_s = 60.0
         self._step_started: float | None = None  # monotonic time the running step began
 
@@ -153,7 +154,8 @@ class RankActor:
             while True:
                 if self.error is None:  # once failed, nothing more comes: no wait before saying so
                     try:
-                        await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
+                        async with asyncio.timeout(HEARTBEAT_S):  # (no task per wait, unlike wait_for)
+                            await sub.wake.wait()
                     except TimeoutError:
                         pass
                 batch = self._take(sub)
@@ -196,9 +198,9 @@ class RankActor:
         if self.error is not None:
             raise GroupUnhealthyError(self.error)
         assert self.engine is not None and sub is not None, "requests go to rank 0"
-        if self._wake is None:
-            self._wake = asyncio.Event()
-            self._spawn(self._step_loop()).add_done_callback(self._step_loop_ended)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._spawn(self._watch_steps())
         rid = req.request_id if req.request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -207,7 +209,7 @@ class RankActor:
             self._choices_left[rid] = req.n
         try:
             await self._run(
-                self.engine.add_request,
+                self._add_request,
                 req.prompt,
                 req.params,
                 req.tenant,
@@ -220,8 +222,15 @@ class RankActor:
             self._owner.pop(rid, None)
             self._choices_left.pop(rid, None)
             raise
-        self._wake.set()
         return rid
+
+    def _add_request(self, *args) -> None:
+        """On the engine thread: add the request, and start the step chain unless it runs."""
+        assert self.engine is not None
+        self.engine.add_request(*args)
+        if not self._stepping and self.error is None:
+            self._stepping = True
+            self._engine_thread.submit(self._step_chain)
 
     @staticmethod
     def _take(sub: _Subscriber) -> list[Delta]:
@@ -285,43 +294,36 @@ class RankActor:
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
                 raise GroupUnhealthyError(self.error)
 
-    async def _step_loop(self) -> None:
-        """Step while there is work, until the group fails. Any error in here fails the group: a loop that
-        stopped without saying so would leave every request waiting forever on a group that reports healthy."""
+    def _step_chain(self) -> None:
+        """On the engine thread: one step; its outputs go to the event loop without waiting for them to be
+        delivered, and the next step is queued behind the engine calls that came meanwhile (submits, aborts, in
+        the order they came). So the next step computes while the event loop and Ray send this one's deltas:
+        waiting for them instead made a step's period about twice its compute under HTTP load. Any error here
+        fails the group: a chain that stopped without saying so would leave every request waiting forever on
+        a group that reports healthy."""
+        engine, loop = self.engine, self._loop
+        assert engine is not None and loop is not None
         try:
-            await self._steps()
-        except Exception as exc:
-            _log.exception("rank 0: the step loop failed")
-            self.mark_unhealthy(f"step loop failed: {type(exc).__name__}: {exc}")
-
-    def _step_loop_ended(self, task: asyncio.Task) -> None:
-        """The step loop only returns once the group has failed; any other end (cancelled, say) fails it too."""
-        if self.error is None:
-            how = "was cancelled" if task.cancelled() else f"ended: {task.exception()!r}"
-            self.mark_unhealthy(f"rank 0: the step loop {how}")
-
-    async def _steps(self) -> None:
-        assert self.engine is not None and self._wake is not None
-        loop = asyncio.get_running_loop()
-        while self.error is None:
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+            if self.error is not None or not engine.has_unfinished():
+                self._stepping = False
+                return
             self._step_started = time.monotonic()
-            step = loop.run_in_executor(self._engine_thread, self.engine.step)
             try:
-                # shield: on timeout the step's thread cannot be stopped, only given up on
-                outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
-            except TimeoutError:
-                self.mark_unhealthy(self._stuck_reason())
-                step.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
-                return
-            except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
-                self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
-                return
+                outs = engine.step()
             finally:
                 self._step_started = None
+            if outs:
+                loop.call_soon_threadsafe(self._deliver, outs)
+            self._engine_thread.submit(self._step_chain)
+        except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
+            self._stepping = False
+            _log.exception("rank 0: a step failed")
+            loop.call_soon_threadsafe(self.mark_unhealthy, f"step failed: {type(exc).__name__}: {exc}")
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """On the event loop: a step's outputs to their readers, one wake per reader (all of its requests'
+        deltas go in one message)."""
+        try:
             touched = set()
             for out in outs:
                 sub = self._owner.get(out.request_id)
@@ -331,8 +333,17 @@ class RankActor:
                     del self._owner[out.request_id]
                 sub.pending.append(Delta.of(out))
                 touched.add(sub)
-            for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
+            for sub in touched:
                 sub.wake.set()
+        except Exception as exc:
+            _log.exception("rank 0: delivering a step's outputs failed")
+            self.mark_unhealthy(f"delivering a step's outputs failed: {type(exc).__name__}: {exc}")
+
+    async def _watch_steps(self) -> None:
+        """A step running longer than ``step_timeout_s`` fails the group even when nobody asks ``health``."""
+        while self.error is None:
+            await asyncio.sleep(min(1.0, self.step_timeout_s / 4))
+            self.health()
 
     def _last_choice(self, request_id: str, failed: bool) -> bool:
         """A choice of ``request_id`` finished: whether the request has ended (every one of its ``n`` choices
@@ -388,8 +399,6 @@ class RankActor:
 
     def info(self) -> dict:
         """Where this rank runs (for operators and tests)."""
-        import os
-
         return {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -514,7 +523,6 @@ class WorkerGroup:
         self.ranks = [
             actor.options(
                 num_cpus=1,
-                runtime_env=rank_env(accel),
                 num_gpus=1 if accel == "GPU" else 0,
                 resources={accel: 1} if accel and accel != "GPU" else None,
                 name=rank_name(cfg.name, r),
@@ -679,17 +687,6 @@ def _submit(
     return Submit(list(prompt), params or SamplingParams(), tenant, request_id, pin_tokens, pin_ttl_s)
 
 
-def rank_env(accel: str | None) -> dict | None:
-    """A CPU rank's environment: OpenMP threads that sleep as soon as a parallel region ends
-    (``OMP_WAIT_POLICY=PASSIVE``) unless the caller's environment sets the policy. By default torch's OpenMP
-    threads spin for a while after each region, for the next one; on a CPU machine the cores they spin on are
-    the ones the HTTP path needs (measured on 2 cores under 32 streams: a rank's second thread spun about 0.1
-    core away)."""
-    if accel is not None or "OMP_WAIT_POLICY" in os.environ:
-        return None
-    return {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
-
-
 def pg_name(group: str) -> str:
     return f"kvgrid-{group}"
 
@@ -705,8 +702,6 @@ RAY_NAMESPACE = "kvgrid"  # where the named (detached) group actors live, so a r
 def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     """Start (or join, with ``address``) Ray in the kvgrid namespace; a local start stays on loopback with auth
     disabled."""
-    import os
-
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray starts its workers at nice 15 unless told otherwise: every actor of kvgrid (the ranks' engine threads
@@ -714,6 +709,11 @@ def init_local_ray(num_cpus: int | None = None, address: str | None = None) -> N
     # shipper). On 2 cores under 32 streams the engine thread waited for a core 22% of the time either way (its
     # competitors are kvgrid's own actors), and 6% when given priority over everything (nice -10, root only).
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # A CPU rank's OpenMP threads sleep as soon as a parallel region ends instead of spinning for the next one
+    # on the cores the HTTP path needs (on 2 cores under 32 streams a rank's second thread spun about 0.1 core
+    # away). Set here, inherited by every Ray worker, rather than as a per-actor runtime_env, which makes Ray
+    # start a dedicated worker process for each rank through its runtime-env agent.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if ray.is_initialized():
         return
     if address:

@@ -29,6 +29,8 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 # Ray's workers (every kvgrid actor) at the default priority, not Ray's nice 15 (see worker/group.py init_local_ray).
 export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+# CPU ranks' OpenMP threads sleep after each parallel region instead of spinning (see init_local_ray).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 node_ip() {
     if [ -n "${KVGRID_NODE_IP:-}" ]; then

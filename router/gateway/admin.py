@@ -108,6 +108,11 @@ _GAUGES = [  # (name, help, EngineStats field)
     ("kvgrid_group_disk_hit_blocks", "KV blocks read from disk instead of computed", "disk_hit_blocks"),
     ("kvgrid_group_tier_load_bytes", "Bytes of KV loaded from host RAM and disk", "tier_load_bytes"),
     ("kvgrid_group_tier_load_seconds", "Seconds spent loading KV from host RAM and disk", "tier_load_seconds"),
+    # The engine's steps: seconds in them over wall time is how busy the group's engine is; their wall time well
+    # over their CPU time, how long its steps waited for a core.
+    ("kvgrid_group_steps", "Engine steps that computed a batch", "steps"),
+    ("kvgrid_group_step_seconds", "Wall seconds spent in engine steps", "step_seconds"),
+    ("kvgrid_group_step_cpu_seconds", "CPU seconds of the engine thread in its steps", "step_cpu_seconds"),
 ]
 
 

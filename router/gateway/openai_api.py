@@ -356,17 +356,13 @@ class OpenAIApi:
             def text_chunk(index: int, text: str) -> str:
                 fill = plain.get(index)
                 if fill is None:
-                    if chat:
-                        fill = SseTemplate(
-                            lambda x: chunk(
-                                ChatChunkChoice(index=index, delta=ChatDelta(content=x), finish_reason=None)
-                            )
-                        )
-                    else:
-                        fill = SseTemplate(
-                            lambda x: chunk(CompletionChunkChoice(index=index, text=x, finish_reason=None))
-                        )
-                    plain[index] = fill
+
+                    def choice(x: str) -> ChatChunkChoice | CompletionChunkChoice:
+                        if chat:
+                            return ChatChunkChoice(index=index, delta=ChatDelta(content=x), finish_reason=None)
+                        return CompletionChunkChoice(index=index, text=x, finish_reason=None)
+
+                    fill = plain[index] = SseTemplate(lambda x: chunk(choice(x)))
                 return fill(text)
 
             async for out, _ in run:

@@ -201,9 +201,9 @@ class RouterService:
         ignored."""
         for kind, request_id in events:
             if kind == "prefill_done":
-                self.router.on_prefill_done(request_id)
+                self.on_prefill_done(request_id)
             elif kind == "finish":
-                self.router.on_finish(request_id)
+                self.on_finish(request_id)
 
     def on_finish(self, request_id: str) -> None:
         self.router.on_finish(request_id)

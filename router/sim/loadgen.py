@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -34,6 +35,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from router.sim import proc_cpu
 from router.sim.trace import MOONCAKE_BLOCK, TraceEntry, read_mooncake
 
 _log = logging.getLogger(__name__)
@@ -212,6 +214,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  output        {s['output_tokens']} tokens, {s['output_tokens_per_s']:.1f} tokens/s",
         f"  prompt        {s['prompt_tokens']} tokens, {s['cached_share']:.1%} cached",
     ]
+    if "cpu_ms_per_1000_tokens" in s:
+        lines.append("  CPU ms per 1000 output tokens, per process on this machine:")
+        lines += [f"    {ms_:8.1f}  {name}" for name, ms_ in s["cpu_ms_per_1000_tokens"].items()]
     lines += [f"  error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 
@@ -451,6 +456,8 @@ def run(args: Any) -> int:
         if failed:
             raise ValueError(f"a warm-up request failed: {failed[0]}")
     total = sum(j.follow_ups + 1 for j in jobs)
+    if args.cpu_per_process:
+        cpu_before, own_before = proc_cpu.snapshot(), proc_cpu.own_cpu_s()
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=None) as bar:
         results, duration = asyncio.run(
             run_jobs(base_url, args.api_key, model, jobs, concurrency, args.timeout, bar.update)
@@ -464,6 +471,10 @@ def run(args: Any) -> int:
         "concurrency": concurrency,
         **summarise(results, duration),
     }
+    if args.cpu_per_process:
+        used = proc_cpu.per_process(cpu_before, proc_cpu.snapshot(), skip_pid=os.getpid())
+        own = proc_cpu.own_cpu_s() - own_before
+        summary["cpu_ms_per_1000_tokens"] = proc_cpu.table(used, own, summary["output_tokens"])
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     if summary["failed"]:
         print(f"kvgrid: {summary['failed']} of {summary['requests']} requests failed", file=sys.stderr)
@@ -546,3 +557,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompts and arrivals; change it to avoid earlier caches")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--cpu-per-process",
+        action="store_true",
+        help="also report the CPU time every process on this machine used during the run, in ms per 1000 output "
+        "tokens (Linux /proc; for a server on this machine)",
+    )

@@ -21,11 +21,16 @@ class _Decodes(NamedTuple):
 
     rows: torch.Tensor | None
     blocks: torch.Tensor  # [n * blocks_per_row] int64
-    # SDPA: [n, 1, 1, L] bool, L = blocks_per_row * block_size, True where the key is real. Wide (``wide``):
-    # [n, heads, L * kv_heads] bool, True where the key is NOT the head's own or past the row's end.
-    keep: torch.Tensor
     num_rows: int
-    wide: bool = False
+    # One of the two masks. SDPA's: [n, 1, 1, L] bool, L = blocks_per_row * block_size, True where the key is
+    # real. The wide path's: [n, heads, L * kv_heads] bool, True where the key is NOT the head's own or lies past
+    # the row's end.
+    keep: torch.Tensor | None = None
+    drop: torch.Tensor | None = None
+
+    @property
+    def wide(self) -> bool:
+        return self.drop is not None
 
 
 class _Prefill(NamedTuple):
@@ -106,9 +111,9 @@ class TorchBackend(AttentionBackend):
                     kv_heads, device=device
                 )
                 drop = ~(keep[:, None, :, None] & own[None, :, None, :]).flatten(2)  # [n, heads, L * kv]
-                decodes = _Decodes(idx, tables.flatten().long(), drop, len(rows), wide=True)
+                decodes = _Decodes(idx, tables.flatten().long(), len(rows), drop=drop)
             else:
-                decodes = _Decodes(idx, tables.flatten().long(), keep[:, None, None, :], len(rows))
+                decodes = _Decodes(idx, tables.flatten().long(), len(rows), keep=keep[:, None, None, :])
         prefills, start = [], 0
         for i, (qlen, slen) in enumerate(zip(qlens, slens)):
             if qlen > 1:
@@ -122,8 +127,8 @@ class TorchBackend(AttentionBackend):
         """One query token per sequence [n, heads, head_dim]. Whole blocks are gathered in one index_select per
         cache (rows of block_size * kv_heads * head_dim), and each KV head's group of query heads becomes a
         query length of ``group``: plain multi-head SDPA, padding masked."""
-        if d.wide:
-            return self._decode_wide(q, k_cache, v_cache, d, scale)
+        if d.drop is not None:
+            return self._decode_wide(q, k_cache, v_cache, d, d.drop, scale)
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows
         k, v = (
@@ -135,7 +140,13 @@ class TorchBackend(AttentionBackend):
         return o.reshape(n, -1, head_dim)
 
     def _decode_wide(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: _Decodes, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        d: _Decodes,
+        drop: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         """The decodes as two batched matmuls per step and layer: every query head of a row against every key
         of the row, all KV heads together (the gathered blocks read as [n, L * kv_heads, head_dim] as they lie,
@@ -152,7 +163,7 @@ class TorchBackend(AttentionBackend):
             for i, cache in enumerate((k_cache, v_cache))
         )
         scores = torch.bmm(q * scale, k.transpose(1, 2))  # [n, heads, L * kv_heads]
-        scores.masked_fill_(d.keep, float("-inf"))  # a fill, not a bias added: a stale key can hold anything
+        scores.masked_fill_(drop, float("-inf"))  # a fill, not a bias added: a stale key can hold anything
         return torch.bmm(torch.softmax(scores, dim=-1), v)  # [n, heads, head_dim]
 
     # A gather buffer more than twice what a step needs is reallocated to fit, unless it is this small anyway: a

@@ -15,13 +15,18 @@ _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.b
 _use_onednn: bool | None = None if _onednn_linear is not None else False  # None: not tried yet
 
 
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    assert _onednn_linear is not None
+    return _onednn_linear(x, weight, bias, "none", [], "")  # no fused activation
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; through oneDNN for 2-D float32 inputs on the CPU, where it works, and from the packed copy of
     a weight that ``pack_linear_weights`` made."""
     global _use_onednn
     packed = getattr(weight, "packed", None)
     if packed is not None and _onednn_linear is not None:  # (packed only where the op exists)
-        return _onednn_linear(x, packed, bias, "none", [], "")
+        return _onednn(x, packed, bias)
     if (
         _onednn_linear is not None
         and _use_onednn is not False
@@ -30,9 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.device.type == "cpu"
     ):
         if _use_onednn:
-            return _onednn_linear(x, weight, bias, "none", [], "")
+            return _onednn(x, weight, bias)
         try:
-            y = _onednn_linear(x, weight, bias, "none", [], "")
+            y = _onednn(x, weight, bias)
         except Exception:  # whatever the private op raises, F.linear computes the same thing
             _use_onednn = False
         else:
@@ -50,10 +55,8 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
     matmul through a packed weight does not match ``F.linear``, nothing is packed. Returns how many were."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     owners: dict[int, int] = {}
-    for m in model.modules():
-        for param in m._parameters.values():
-            if param is not None:
-                owners[id(param)] = owners.get(id(param), 0) + 1
+    for _, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
     layers = [
         m
         for m in model.modules()
@@ -69,9 +72,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
                 return 0
             p = reorder(w.detach(), batch_hint)
             probe = torch.randn(3, w.shape[1], dtype=w.dtype)
-            if not torch.allclose(
-                _onednn_linear(probe, p, b, "none", [], "").float(), F.linear(probe, w, b).float(), rtol=2e-2, atol=2e-2
-            ):
+            if not torch.allclose(_onednn(probe, p, b).float(), F.linear(probe, w, b).float(), rtol=2e-2, atol=2e-2):
                 return 0
             packed.append(p)
     except Exception:  # whatever the private ops raise, the dense weights compute the same thing
