@@ -178,10 +178,10 @@ def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     return Served("kvgrid", cmd, env, f"http://127.0.0.1:{port}/bench/v1", work / "kvgrid.log")
 
 
-def measure(server: Served, figure: str, vocab: int, repeats: int) -> list[dict]:
-    """``repeats`` runs of one figure, each with a seed of its own (fresh cold prompts, a fresh cached prefix):
-    no run finds an earlier run's prompts in the cache."""
-    first = 100 * list(FIGURES).index(figure)
+def measure(server: Served, figure: str, vocab: int, repeats: int, start: int = 0) -> list[dict]:
+    """``repeats`` runs of one figure (the ``start``-th on), each with a seed of its own (fresh cold prompts, a
+    fresh cached prefix): no run finds an earlier run's prompts in the cache."""
+    first = 100 * list(FIGURES).index(figure) + start
     return [bench_serve(server, [*FIGURES[figure][1], "--seed", str(first + i)], vocab) for i in range(repeats)]
 
 
@@ -270,10 +270,17 @@ def main() -> int:
         help="the demo model, server configs and logs, and the JSON result",
     )
     p.add_argument("--servers", nargs="+", choices=["vllm", "kvgrid"], default=["vllm", "kvgrid"])
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--one-start",
         action="store_true",
         help="start each server once for all figures, not afresh per figure with alternating order",
+    )
+    mode.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start both servers once, side by side on two ports, and alternate them run by run (the order "
+        "flipping every repeat): a machine whose speed drifts during the runs moves both servers' figures alike",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per figure and server (the table shows the median)")
     p.add_argument("--port", type=int, default=8931, help="the servers' port (one at a time)")
@@ -295,7 +302,21 @@ def main() -> int:
 
     results: dict[str, dict[str, list[dict]]] = {f: {} for f in FIGURES}
     starts: dict[str, list[float]] = {s: [] for s in args.servers}
-    if not args.one_start:
+    if args.interleave:
+        running: dict[str, Served] = {}
+        try:
+            for k, s in enumerate(args.servers):
+                running[s] = starters[s](model_dir, args.port + k, work, args.dtype)
+                starts[s].append(running[s].start_s)
+            for i in range(args.repeats):
+                for figure in FIGURES:
+                    for s in args.servers if i % 2 == 0 else args.servers[::-1]:
+                        print(f"{running[s].name}: {figure} ({i + 1} of {args.repeats})", flush=True)
+                        results[figure].setdefault(s, []).extend(measure(running[s], figure, vocab, 1, start=i))
+        finally:
+            for server in running.values():
+                server.stop()
+    elif not args.one_start:
         for i, figure in enumerate(FIGURES):
             for s in args.servers if i % 2 == 0 else args.servers[::-1]:
                 server = starters[s](model_dir, args.port, work, args.dtype)
@@ -327,7 +348,8 @@ def main() -> int:
             {
                 "machine": host,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "restart_per_figure": not args.one_start,
+                "restart_per_figure": not (args.one_start or args.interleave),
+                "interleaved": args.interleave,
                 "dtype": args.dtype,
                 "server_start_s": starts,
                 "vllm_cores": cores,
