@@ -91,8 +91,7 @@ class RankActor:
         self._owner: dict[str, _Subscriber] = {}  # request id -> who reads its deltas
         self._choices_left: dict[str, int] = {}  # n > 1: request id -> its choices not finished yet
         self._background: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once a request came
-        self._stepping = False  # the step chain runs (read and written on the engine thread only)
+        self._wake: asyncio.Event | None = None
         self.step_timeout_s = 60.0
         self._step_started: float | None = None  # monotonic time the running step began
 
@@ -154,8 +153,7 @@ class RankActor:
             while True:
                 if self.error is None:  # once failed, nothing more comes: no wait before saying so
                     try:
-                        async with asyncio.timeout(HEARTBEAT_S):  # (no task per wait, unlike wait_for)
-                            await sub.wake.wait()
+                        await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
                     except TimeoutError:
                         pass
                 batch = self._take(sub)
@@ -198,9 +196,9 @@ class RankActor:
         if self.error is not None:
             raise GroupUnhealthyError(self.error)
         assert self.engine is not None and sub is not None, "requests go to rank 0"
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._spawn(self._watch_steps())
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._spawn(self._step_loop()).add_done_callback(self._step_loop_ended)
         rid = req.request_id if req.request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -209,7 +207,7 @@ class RankActor:
             self._choices_left[rid] = req.n
         try:
             await self._run(
-                self._add_request,
+                self.engine.add_request,
                 req.prompt,
                 req.params,
                 req.tenant,
@@ -222,15 +220,8 @@ class RankActor:
             self._owner.pop(rid, None)
             self._choices_left.pop(rid, None)
             raise
+        self._wake.set()
         return rid
-
-    def _add_request(self, *args) -> None:
-        """On the engine thread: add the request, and start the step chain unless it runs."""
-        assert self.engine is not None
-        self.engine.add_request(*args)
-        if not self._stepping and self.error is None:
-            self._stepping = True
-            self._engine_thread.submit(self._step_chain)
 
     @staticmethod
     def _take(sub: _Subscriber) -> list[Delta]:
@@ -294,36 +285,43 @@ class RankActor:
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
                 raise GroupUnhealthyError(self.error)
 
-    def _step_chain(self) -> None:
-        """On the engine thread: one step; its outputs go to the event loop without waiting for them to be
-        delivered, and the next step is queued behind the engine calls that came meanwhile (submits, aborts, in
-        the order they came). So the next step computes while the event loop and Ray send this one's deltas:
-        waiting for them instead made a step's period about twice its compute under HTTP load. Any error here
-        fails the group: a chain that stopped without saying so would leave every request waiting forever on
-        a group that reports healthy."""
-        engine, loop = self.engine, self._loop
-        assert engine is not None and loop is not None
+    async def _step_loop(self) -> None:
+        """Step while there is work, until the group fails. Any error in here fails the group: a loop that
+        stopped without saying so would leave every request waiting forever on a group that reports healthy."""
         try:
-            if self.error is not None or not engine.has_unfinished():
-                self._stepping = False
-                return
+            await self._steps()
+        except Exception as exc:
+            _log.exception("rank 0: the step loop failed")
+            self.mark_unhealthy(f"step loop failed: {type(exc).__name__}: {exc}")
+
+    def _step_loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop only returns once the group has failed; any other end (cancelled, say) fails it too."""
+        if self.error is None:
+            how = "was cancelled" if task.cancelled() else f"ended: {task.exception()!r}"
+            self.mark_unhealthy(f"rank 0: the step loop {how}")
+
+    async def _steps(self) -> None:
+        assert self.engine is not None and self._wake is not None
+        loop = asyncio.get_running_loop()
+        while self.error is None:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             self._step_started = time.monotonic()
+            step = loop.run_in_executor(self._engine_thread, self.engine.step)
             try:
-                outs = engine.step()
+                # shield: on timeout the step's thread cannot be stopped, only given up on
+                outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
+            except TimeoutError:
+                self.mark_unhealthy(self._stuck_reason())
+                step.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
+                return
+            except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
+                self.mark_unhealthy(f"step failed: {type(exc).__name__}: {exc}")
+                return
             finally:
                 self._step_started = None
-            if outs:
-                loop.call_soon_threadsafe(self._deliver, outs)
-            self._engine_thread.submit(self._step_chain)
-        except Exception as exc:  # a collective failed (a peer rank is gone), or the model forward raised
-            self._stepping = False
-            _log.exception("rank 0: a step failed")
-            loop.call_soon_threadsafe(self.mark_unhealthy, f"step failed: {type(exc).__name__}: {exc}")
-
-    def _deliver(self, outs: list[RequestOutput]) -> None:
-        """On the event loop: a step's outputs to their readers, one wake per reader (all of its requests'
-        deltas go in one message)."""
-        try:
             touched = set()
             for out in outs:
                 sub = self._owner.get(out.request_id)
@@ -333,17 +331,8 @@ class RankActor:
                     del self._owner[out.request_id]
                 sub.pending.append(Delta.of(out))
                 touched.add(sub)
-            for sub in touched:
+            for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
                 sub.wake.set()
-        except Exception as exc:
-            _log.exception("rank 0: delivering a step's outputs failed")
-            self.mark_unhealthy(f"delivering a step's outputs failed: {type(exc).__name__}: {exc}")
-
-    async def _watch_steps(self) -> None:
-        """A step running longer than ``step_timeout_s`` fails the group even when nobody asks ``health``."""
-        while self.error is None:
-            await asyncio.sleep(min(1.0, self.step_timeout_s / 4))
-            self.health()
 
     def _last_choice(self, request_id: str, failed: bool) -> bool:
         """A choice of ``request_id`` finished: whether the request has ended (every one of its ``n`` choices
