@@ -283,7 +283,9 @@ def main() -> int:
         "flipping every repeat): a machine whose speed drifts during the runs moves both servers' figures alike",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per figure and server (the table shows the median)")
-    p.add_argument("--port", type=int, default=8931, help="the servers' port (one at a time)")
+    p.add_argument(
+        "--port", type=int, default=8931, help="the servers' port (one at a time; --interleave: this one and the next)"
+    )
     p.add_argument(
         "--dtype",
         choices=["bfloat16", "float32"],

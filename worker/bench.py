@@ -52,20 +52,24 @@ def _closed_loop(
     figure of the same workload is compared to), and the mean step's wall and engine-thread CPU time."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    before = engine.stats()
-    start = time.perf_counter()
     sent = done = tokens = 0
-    for _ in range(min(streams, requests)):
+
+    def send() -> None:
+        nonlocal sent
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
         sent += 1
+
+    before = engine.stats()
+    start = time.perf_counter()
+    for _ in range(min(streams, requests)):
+        send()
     while done < requests:
         for out in engine.step():
             tokens += len(out.new_token_ids)
             if out.finished:
                 done += 1
                 if sent < requests:
-                    engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
-                    sent += 1
+                    send()
     elapsed = time.perf_counter() - start
     after = engine.stats()
     steps = max(1, after.steps - before.steps)

@@ -192,8 +192,7 @@ class Engine:
         # n > 1: request id -> [n, choices not finished yet]; KV block copies the next step makes first.
         self._choices: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int]] = []
-        self._stepped = False  # the step running computed a batch
-        self._step_totals = [0.0, 0.0, 0.0]  # steps that computed, their wall seconds, their CPU seconds
+        self._steps, self._step_s, self._step_cpu_s = 0, 0.0, 0.0  # steps that computed, their wall and CPU s
 
     @property
     def num_blocks(self) -> int:
@@ -293,14 +292,15 @@ class Engine:
         over its CPU time is a step that waited for a core)."""
         wall, cpu = time.perf_counter(), time.thread_time()
         outs = self._step()
-        if self._stepped:
-            self._stepped = False
-            self._step_totals[0] += 1
-            self._step_totals[1] += time.perf_counter() - wall
-            self._step_totals[2] += time.thread_time() - cpu
+        if outs is None:  # nothing to compute
+            return []
+        self._steps += 1
+        self._step_s += time.perf_counter() - wall
+        self._step_cpu_s += time.thread_time() - cpu
         return outs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput] | None:
+        """``step``; None when it had no batch to compute."""
         now = time.monotonic()
         if self.kv.expire_pins(now) and self._pin_entries:
             self._prune_pin_entries(now)
@@ -315,9 +315,8 @@ class Engine:
         if not batch:
             if self.has_unfinished():
                 time.sleep(0.002)  # waiting for pinned blocks to expire: don't spin the caller's loop
-            return []
+            return None
         copies, self._block_copies = tuple(self._block_copies), []
-        self._stepped = True
         self.sampler.prefetch(batch)  # structured outputs' masks, computed while the model runs
         logits = self.runner.run(batch, copies, kv_ops)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
@@ -511,9 +510,9 @@ class Engine:
             computed_tokens=sched.num_computed_tokens,
             prefix_cache={t: PrefixCacheStats(**vars(s)) for t, s in self.kv.stats.items()},
             **_tier_fields(self.kv.tier_stats()),
-            steps=int(self._step_totals[0]),
-            step_seconds=self._step_totals[1],
-            step_cpu_seconds=self._step_totals[2],
+            steps=self._steps,
+            step_seconds=self._step_s,
+            step_cpu_seconds=self._step_cpu_s,
         )
 
     def close(self, max_s: float = 5.0) -> None:

@@ -127,8 +127,8 @@ class TorchBackend(AttentionBackend):
         """One query token per sequence [n, heads, head_dim]. Whole blocks are gathered in one index_select per
         cache (rows of block_size * kv_heads * head_dim), and each KV head's group of query heads becomes a
         query length of ``group``: plain multi-head SDPA, padding masked."""
-        if d.drop is not None:
-            return self._decode_wide(q, k_cache, v_cache, d, d.drop, scale)
+        if d.wide:
+            return self._decode_wide(q, k_cache, v_cache, d, scale)
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows
         k, v = (
@@ -140,13 +140,7 @@ class TorchBackend(AttentionBackend):
         return o.reshape(n, -1, head_dim)
 
     def _decode_wide(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        d: _Decodes,
-        drop: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: _Decodes, scale: float
     ) -> torch.Tensor:
         """The decodes as two batched matmuls per step and layer: every query head of a row against every key
         of the row, all KV heads together (the gathered blocks read as [n, L * kv_heads, head_dim] as they lie,
@@ -163,7 +157,8 @@ class TorchBackend(AttentionBackend):
             for i, cache in enumerate((k_cache, v_cache))
         )
         scores = torch.bmm(q * scale, k.transpose(1, 2))  # [n, heads, L * kv_heads]
-        scores.masked_fill_(drop, float("-inf"))  # a fill, not a bias added: a stale key can hold anything
+        assert d.drop is not None
+        scores.masked_fill_(d.drop, float("-inf"))  # a fill, not a bias added: a stale key can hold anything
         return torch.bmm(torch.softmax(scores, dim=-1), v)  # [n, heads, head_dim]
 
     # A gather buffer more than twice what a step needs is reallocated to fit, unless it is this small anyway: a
