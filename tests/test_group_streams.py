@@ -121,6 +121,63 @@ def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_
         g.shutdown()
 
 
+def test_a_dead_engine_process_fails_the_group_mid_stream_or_idle_and_a_restart_serves_again(ray_local, demo_path):
+    from common.errors import GroupUnhealthyError
+    from worker.group import GroupConfig, WorkerGroup
+
+    cfg = EngineConfig(model=str(demo_path), device="cpu", kv_cache_bytes=2**25)
+    g = WorkerGroup(GroupConfig("g-engine-die", cfg, engine_process=True))
+    try:
+        info = g.rank_infos()[0]
+        assert info["engine_pid"] not in (None, info["pid"])  # the engine steps in a process of its own
+        stream = g.stream([1, 2, 3], LONG)
+        next(stream)  # running
+        os.kill(info["engine_pid"], signal.SIGKILL)
+        with pytest.raises(GroupUnhealthyError, match=f"engine process \\(pid {info['engine_pid']}\\) exited"):
+            for _ in stream:
+                pass
+        assert "engine process" in (g.health() or "")
+        with pytest.raises(GroupUnhealthyError):
+            g.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        assert ray_local.get(g.leader.info.remote())["pid"] == info["pid"]  # the actor itself lives on
+        g.restart()
+        assert len(g.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2
+        pid = g.rank_infos()[0]["engine_pid"]
+        os.kill(pid, signal.SIGKILL)  # idle: no step or call notices, the health check does
+        deadline = time.monotonic() + 10
+        while (reason := g.health()) is None:
+            assert time.monotonic() < deadline, "a dead idle engine process was never noticed"
+            time.sleep(0.1)
+        assert reason == "rank 0: the engine process exited with code -9"
+    finally:
+        g.shutdown()
+
+
+def test_an_engine_process_with_tp2_streams_the_tokens_of_the_engine_on_the_actors_thread(ray_local, group, demo_path):
+    from worker.group import GroupConfig, WorkerGroup
+
+    g = WorkerGroup(
+        GroupConfig(
+            "g-process",
+            EngineConfig(model=str(demo_path), device="cpu", secret=b"s"),
+            tp=2,  # the child, not the actor, is rank 0 of the group's process group
+            engine_process=True,
+        )
+    )
+    try:
+        infos = g.rank_infos()
+        assert infos[0]["engine_pid"] not in (None, infos[0]["pid"]) and infos[1]["engine_pid"] is None
+        assert ray_local.get(group.leader.info.remote())["engine_pid"] is None  # the default: the actor's thread
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        prompts = [[7, 8, 9, 10], list(range(20, 60)), list(range(20, 52)) + [3]]  # the third hits the second
+        outs = [g.generate(p, params) for p in prompts]
+        assert [o.token_ids for o in outs] == [group.generate(p, params).token_ids for p in prompts]
+        assert outs[2].num_cached_tokens == 32
+        assert g.stats().prefix_cache["default"].hit_tokens == 32
+    finally:
+        g.shutdown()
+
+
 def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local, group):
     from common.protocol import GroupClient, Submit
 

@@ -304,6 +304,7 @@ def test_process_labels_and_the_per_token_table():
 
     assert proc_cpu.label(["ray::RankActor.subscribe"], "ray::RankActor") == "ray::RankActor"
     assert proc_cpu.label(["/usr/bin/python3", "-m", "router.cli", "serve"], "python3") == "python -m router.cli"
+    assert proc_cpu.label(["python", "-m", "worker.engine_process", "9"], "python") == "python -m worker.engine_process"
     assert proc_cpu.label(["python", "bench/side_by_side.py"], "python") == "python side_by_side.py"
     assert proc_cpu.label([], "raylet") == "raylet"
     used = {"a": 0.5, "b": 1.0, "tiny": 0.001, "tiny2": 0.001}

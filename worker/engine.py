@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from common.checks import is_power_of_two
-from common.events import EventSink
+from common.events import EventSink, HeldKeys
 from common.hashing import HASH_ALGOS, RootKeys, new_secret
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from worker.attention import get_backend
-from worker.distributed import tp_size
+from worker.distributed import send_plan, tp_size
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
 from worker.layers.linear import pack_linear_weights
@@ -534,6 +534,14 @@ class Engine:
                     break
         tiers.close()
         tiers.store.close()  # waits for the queued writes
+
+    def held_keys(self) -> HeldKeys:
+        """Every key the pool holds, tier by tier (a KV event snapshot)."""
+        return self.kv.held_keys()
+
+    def stop_followers(self) -> None:
+        """Tell the group's other ranks to stop following (they return from ``follow``); a no-op alone."""
+        send_plan(None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while idle); publishes ``AllCleared``."""

@@ -20,7 +20,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from common.outputs import RequestOutput
 from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
+from worker.engine_process import EngineProcess, EngineProcessDied
 
 _log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class GroupConfig:
     # Intra-op threads each rank computes its steps with. Ray reserves one CPU per rank whatever this is, so
     # groups stay placeable on a small machine; size it to the cores the node really has for its ranks.
     cpus_per_rank: int = 1
+    # Rank 0's engine steps in a child process of the rank (worker/engine_process.py), away from the actor's
+    # event loop and Ray's threads; False (the default): on a thread of the rank actor itself.
+    engine_process: bool = False
 
 
 class _Subscriber:
@@ -81,8 +85,8 @@ class RankActor:
     thread count is per OS thread, so it is set in that thread, not in the actor."""
 
     def __init__(self, rank: int, world: int, threads: int = 1) -> None:
-        self.rank, self.world = rank, world
-        self.engine: Engine | None = None
+        self.rank, self.world, self.threads = rank, world, threads
+        self.engine: Engine | EngineProcess | None = None
         self.events = EventLog()
         self.error: str | None = None
         self.step_threads: int | None = None  # what the engine thread computes with, once it has started
@@ -109,11 +113,18 @@ class RankActor:
             return f"tcp://{ip}:{s.getsockname()[1]}"
 
     def setup(
-        self, config: EngineConfig, init_method: str, backend: str, group: str = "", stream_url: str | None = None
+        self,
+        config: EngineConfig,
+        init_method: str,
+        backend: str,
+        group: str = "",
+        stream_url: str | None = None,
+        engine_process: bool = False,
     ) -> dict:
         from worker.distributed import init_tensor_parallel
 
-        if self.world > 1:
+        in_child = engine_process and self.rank == 0  # then the child joins the group, not this process
+        if self.world > 1 and not in_child:
             init_tensor_parallel(self.rank, self.world, init_method, backend)
         if config.kv_tiers.has_disk:  # every group keeps its block files apart (worker/kv_tiers.py)
             config = dataclasses.replace(config, kv_tiers=config.kv_tiers.for_group(group))
@@ -125,6 +136,9 @@ class RankActor:
 
                 # Buffered and written by a thread: a step never waits on Redis, and setup needs no Redis.
                 sink = TeeSink(self.events, RedisStreamSink(stream_client(stream_url), group, snapshot=self._keys))
+            if in_child:
+                proc = self.engine = EngineProcess(config, sink, self.threads, self.world, init_method, backend)
+                return {"rank": 0, "kv_shape": proc.info["kv_shape"], "kv_bytes": proc.info["kv_bytes"]}
             self.engine = Engine(config, event_sink=sink)
             runner = self.engine.runner
         else:
@@ -266,12 +280,15 @@ class RankActor:
             except concurrent.futures.TimeoutError:
                 if self.error is not None:
                     raise GroupUnhealthyError(self.error) from None
+            except EngineProcessDied as exc:
+                self.mark_unhealthy(str(exc))
+                raise GroupUnhealthyError(self.error) from exc
 
     def _keys(self) -> HeldKeys:
         """Every key the pool holds (per tier, once the cache manager lists them so), read on the engine thread
         (the event writer's snapshot, from its thread)."""
         assert self.engine is not None
-        return self._call_engine(self.engine.kv.held_keys)
+        return self._call_engine(self.engine.held_keys)
 
     async def _run(self, fn, *args):
         """``fn(*args)`` on the engine thread: the event loop never waits on a step (so ``health`` and
@@ -280,7 +297,11 @@ class RankActor:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.5)
             if done:
-                return future.result()
+                try:
+                    return future.result()
+                except EngineProcessDied as exc:  # the group has failed, not just this call
+                    self.mark_unhealthy(str(exc))
+                    raise GroupUnhealthyError(self.error) from exc
             if self.error is not None:
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is expected
                 raise GroupUnhealthyError(self.error)
@@ -309,7 +330,8 @@ class RankActor:
                 await self._wake.wait()
                 continue
             self._step_started = time.monotonic()
-            step = loop.run_in_executor(self._engine_thread, self.engine.step)
+            step_fn: Callable[[], Sequence[RequestOutput | Delta]] = self.engine.step  # the child's are deltas
+            step = loop.run_in_executor(self._engine_thread, step_fn)
             try:
                 # shield: on timeout the step's thread cannot be stopped, only given up on
                 outs = await asyncio.wait_for(asyncio.shield(step), self.step_timeout_s)
@@ -329,7 +351,7 @@ class RankActor:
                     continue
                 if out.finished and self._last_choice(out.request_id, out.finish_reason == "error"):
                     del self._owner[out.request_id]
-                sub.pending.append(Delta.of(out))
+                sub.pending.append(out if isinstance(out, Delta) else Delta.of(out))
                 touched.add(sub)
             for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
                 sub.wake.set()
@@ -381,6 +403,8 @@ class RankActor:
         started = self._step_started
         if self.error is None and started is not None and time.monotonic() - started > self.step_timeout_s:
             self.mark_unhealthy(self._stuck_reason())
+        if self.error is None and isinstance(self.engine, EngineProcess) and self.engine.proc.poll() is not None:
+            self.mark_unhealthy(f"rank 0: the engine process exited with code {self.engine.proc.returncode}")
         return self.error
 
     def _stuck_reason(self) -> str:
@@ -388,11 +412,13 @@ class RankActor:
 
     def info(self) -> dict:
         """Where this rank runs (for operators and tests)."""
+        child = self.engine if isinstance(self.engine, EngineProcess) else None
         return {
             "rank": self.rank,
             "pid": os.getpid(),
+            "engine_pid": None if child is None else child.pid,  # rank 0's engine process, if it has one
             "node_id": ray.get_runtime_context().get_node_id(),
-            "step_threads": self.step_threads,
+            "step_threads": self.step_threads if child is None else child.info["step_threads"],
         }
 
     async def pinned_entries(self) -> list[tuple[str, list[int], float]]:
@@ -403,15 +429,13 @@ class RankActor:
     def shutdown(self) -> None:
         """Write the KV cache down to the disk tier, if any (for a few seconds at most, so that a restart finds
         it), then tell the other ranks to stop following (they return from ``follow``)."""
-        from worker.distributed import send_plan
-
         if self.error is None and self.engine is not None:
             try:
                 self._call_engine(self.engine.close)
             except Exception as exc:  # a failed write-down loses cached blocks, nothing else
                 _log.warning("writing the KV cache down to disk failed: %s", exc)
-        if self.error is None and self.world > 1:
-            self._call_engine(send_plan, None)
+            if self.world > 1:
+                self._call_engine(self.engine.stop_followers)
 
 
 class WorkerGroup:
@@ -523,7 +547,10 @@ class WorkerGroup:
         init_method = ray.get(self.leader.address.remote(), timeout=cfg.start_timeout_s)
         backend = "nccl" if cfg.use_gpu else "gloo"
         self.rank_info = ray.get(
-            [a.setup.remote(cfg.engine, init_method, backend, cfg.name, cfg.event_stream_url) for a in self.ranks],
+            [
+                a.setup.remote(cfg.engine, init_method, backend, cfg.name, cfg.event_stream_url, cfg.engine_process)
+                for a in self.ranks
+            ],
             timeout=cfg.start_timeout_s,
         )
         self._follows = [a.follow.remote() for a in self.ranks[1:]]

@@ -110,7 +110,13 @@ def run(
             for i in range(cfg.router_replicas)
         ]
         template = GroupConfig(
-            "g", engine, tp=cfg.tensor_parallel, use_gpu=use_gpu, event_stream_url=url, cpus_per_rank=cfg.rank_threads
+            "g",
+            engine,
+            tp=cfg.tensor_parallel,
+            use_gpu=use_gpu,
+            event_stream_url=url,
+            cpus_per_rank=cfg.rank_threads,
+            engine_process=cfg.engine_process,
         )
         # Ray restarts a dead supervisor, which adopts the running groups; its calls (scale to N, describe,
         # shutdown) are safe to run again, so a call it died in is retried on the new one.
