@@ -35,6 +35,61 @@ def test_a_working_onednn_op_is_kept_and_matches_f_linear(monkeypatch):
     assert linear_mod._use_onednn is True
 
 
+def _two_layers() -> torch.nn.Module:
+    layers = torch.nn.Sequential(linear_mod.ColumnParallelLinear(64, 128), linear_mod.ColumnParallelLinear(128, 64))
+    for m in layers:
+        m.weight.data.normal_()
+    return layers
+
+
+def test_the_float32_path_is_the_faster_of_onednn_and_f_linear_on_the_models_weights(monkeypatch):
+    if linear_mod._onednn_linear is None:
+        pytest.skip("this torch build has no oneDNN linear: F.linear is all there is")
+    import time
+    import types
+
+    real_onednn, real_linear = linear_mod._onednn_linear, F.linear
+    calls = []
+
+    def slow_onednn(*args):
+        calls.append(args[1].shape)
+        time.sleep(0.002)
+        return real_onednn(*args)
+
+    monkeypatch.delenv("KVGRID_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(linear_mod, "_onednn_linear", slow_onednn)
+    monkeypatch.setattr(linear_mod, "_use_onednn", None)
+    assert linear_mod.pick_float32_path(_two_layers()) is False
+    assert {tuple(s) for s in calls} == {(128, 64), (64, 128)}  # each of the model's weights was timed
+    calls.clear()
+    x, w = torch.randn(3, 64), torch.randn(5, 64)
+    torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
+    assert not calls  # from now on F.linear computes
+
+    def slow_linear(*args):
+        time.sleep(0.002)
+        return real_linear(*args)
+
+    monkeypatch.setattr(linear_mod, "_onednn_linear", real_onednn)
+    monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=slow_linear))
+    monkeypatch.setattr(linear_mod, "_use_onednn", None)
+    assert linear_mod.pick_float32_path(_two_layers()) is True
+    assert linear_mod._use_onednn is True
+
+
+def test_kvgrid_cpu_linear_decides_without_timing_and_a_bad_value_says_what_is_allowed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(linear_mod, "_onednn_linear", lambda *a: calls.append(a))
+    for value, want in (("torch", False), ("onednn", True)):
+        monkeypatch.setenv("KVGRID_CPU_LINEAR", value)
+        monkeypatch.setattr(linear_mod, "_use_onednn", None)
+        assert linear_mod.pick_float32_path(_two_layers()) is want and linear_mod._use_onednn is want
+    assert not calls
+    monkeypatch.setenv("KVGRID_CPU_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="KVGRID_CPU_LINEAR must be auto, onednn or torch, not 'mkl'"):
+        linear_mod.pick_float32_path(_two_layers())
+
+
 def _packed(engine) -> list[str]:
     return [n for n, p in engine.runner.model.named_parameters() if getattr(p, "packed", None) is not None]
 
@@ -49,6 +104,9 @@ def test_bfloat16_engines_pack_their_linears_and_compute_what_the_dense_weights_
 
     if linear_mod._onednn_linear is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN linear: nothing is packed")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # an AVX2-only CPU: oneDNN refuses bfloat16 weights
+        assert not _packed(Engine(EngineConfig(model=variant, device="cpu", dtype="bfloat16", num_blocks=64)))
+        pytest.skip("this CPU has no oneDNN bfloat16 path: nothing is packed (checked), nothing to compare")
     config = EngineConfig(model=variant, device="cpu", dtype="bfloat16", num_blocks=64)
     packed = Engine(config)
     model = packed.runner.model

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.distributed import all_reduce, shard_range, tp_rank, tp_size
 
-# oneDNN's fp32 matmul beats the default (MKL) path on the skinny matmuls of a small batch: measured on the demo
-# model on 2 cores, decode steps ran 20-30% faster at batch 1, 8 and 32. Same math, rounded differently.
-# The op is private: a build may lack it or refuse it at run time, so the first call decides whether to use it.
+# oneDNN's fp32 matmul beat the default (MKL) path on the skinny matmuls of a small batch on an AVX512 CPU (demo
+# model, 2 cores: decode steps 20-30% faster at batch 1, 8 and 32) and lost on an AVX2-only one, so the engine
+# times both on its model at start (pick_float32_path). Same math, rounded differently. The op is private: a build
+# may lack it or refuse it at run time, so the first call decides whether it can be used at all.
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _use_onednn: bool | None = None if _onednn_linear is not None else False  # None: not tried yet
 
@@ -44,6 +48,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             _use_onednn = True
             return y
     return F.linear(x, weight, bias)
+
+
+def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps: int = 5) -> bool | None:
+    """CPU float32: time oneDNN's matmul against ``F.linear`` (MKL) on this model's own linear weights at a few
+    batch sizes, alternating the two, and let ``linear`` use the faster from now on. Which one wins depends on the
+    CPU: oneDNN made decode steps 20-30% faster on an AVX512 EPYC, and 9-27% slower (batch 32 / batch 8) on an
+    AVX2-only one. Ties go to ``F.linear``. ``KVGRID_CPU_LINEAR=onednn|torch`` decides without timing (``auto``, the
+    default, times). Returns the choice; None when there is nothing to decide (no oneDNN op, or no float32 CPU
+    weight)."""
+    global _use_onednn
+    choice = os.environ.get("KVGRID_CPU_LINEAR", "auto")
+    if choice not in ("auto", "onednn", "torch"):
+        raise ValueError(f"KVGRID_CPU_LINEAR must be auto, onednn or torch, not {choice!r}")
+    if _onednn_linear is None or _use_onednn is False:
+        return _use_onednn
+    if choice != "auto":  # the operator's word (the same path on every rank and group, say)
+        _use_onednn = choice == "onednn"
+        return _use_onednn
+    count: dict[tuple[int, ...], int] = {}  # a shape's share of a step: how many layers have it
+    weights: dict[tuple[int, ...], torch.Tensor] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None) if getattr(m, "packable", False) else None
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
+            count[tuple(w.shape)] = count.get(tuple(w.shape), 0) + 1
+            weights.setdefault(tuple(w.shape), w.detach())
+    if not weights:
+        return None
+    onednn_s = dense_s = 0.0
+    try:
+        for shape, w in weights.items():
+            for n in rows:
+                x = torch.randn(n, w.shape[1])
+                _onednn(x, w, None), F.linear(x, w)  # warm both
+                a, b = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    _onednn(x, w, None)
+                    a.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    F.linear(x, w)
+                    b.append(time.perf_counter() - t)
+                onednn_s += count[shape] * min(a)
+                dense_s += count[shape] * min(b)
+    except Exception:  # whatever the private op raises, F.linear computes the same thing
+        _use_onednn = False
+        return False
+    _use_onednn = onednn_s < dense_s
+    return _use_onednn
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
