@@ -1,4 +1,4 @@
-"""Rank 0's engine in a process of its own (``GroupConfig.engine_process``, the default).
+"""Rank 0's engine in a process of its own (``GroupConfig.engine_process``; off by default: see the README).
 
 A leader rank is a Ray actor: an asyncio event loop that answers the group's callers and streams each step's
 deltas to its subscribers, plus Ray's own threads. With the engine on a thread of that process, every one of a
@@ -37,10 +37,8 @@ from common.protocol import Delta
 
 _log = logging.getLogger(__name__)
 
-# What the parent may call: Engine's methods, plus what a leader does on its engine thread.
-CALLS = frozenset(
-    {"add_request", "abort", "stats", "pinned_entries", "held_keys", "close", "stop_followers", "reset_prefix_cache"}
-)
+# What the parent may call: the methods of Engine that RankActor calls.
+CALLS = frozenset({"add_request", "abort", "stats", "pinned_entries", "held_keys", "close", "stop_followers"})
 
 
 class EngineProcessDied(RuntimeError):
@@ -137,9 +135,6 @@ class EngineProcess:
 
     def stop_followers(self) -> None:
         self._call("stop_followers")
-
-    def reset_prefix_cache(self) -> bool:
-        return self._call("reset_prefix_cache")
 
     # -- wire --------------------------------------------------------------------------------------------------
 
