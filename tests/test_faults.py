@@ -308,13 +308,19 @@ def _kill(pids: set[int]) -> None:
 
 
 def _kill_and_wait(pids: set[int]) -> None:
-    """SIGKILL ``pids`` and return once none of them runs any more (gone or a zombie: its sockets are closed)."""
+    """SIGKILL ``pids`` and return once none of them runs any more (gone, or a zombie whose threads all exited:
+    its sockets are closed)."""
     _kill(pids)
 
     def gone(pid: int) -> bool:
+        # A zombie leader can still have threads finishing their exit (tearing down a large address space takes a
+        # while): its files, the shared listening socket among them, close only when the last one is done. Until
+        # then the kernel still queues new connections on that socket, and resets them when it closes.
         try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+            return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             return True
 
     wait_for(lambda: all(gone(p) for p in pids), 10, f"{pids} to exit")
