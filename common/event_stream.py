@@ -278,12 +278,14 @@ class RedisStreamSubscription:
         streams = dict(self.cursor)
         return self.consume(streams, self.read(streams))
 
-    def read(self, streams: dict[str, str]):
+    def read(self, streams: dict[str, str], block_ms: int | None = None):
         """Redis's reply for ``streams`` (a copy of ``cursor``): the only network call of a poll, so a caller
-        may run it in another thread and hand the reply to ``consume`` on its own."""
+        may run it in another thread and hand the reply to ``consume`` on its own. ``block_ms``: wait up to that
+        long for a first new entry (default: the subscription's ``block_ms``; None there: answer at once)."""
         if not streams:
             return []
-        return self.client.xread(streams, count=self.max_batch, block=self.block_ms)
+        block = self.block_ms if block_ms is None else block_ms
+        return self.client.xread(streams, count=self.max_batch, block=block)
 
     def consume(self, streams: dict[str, str], reply) -> list[tuple[str, KVEvent]]:
         """The events of a ``read(streams)`` reply, advancing the cursors. A stream whose cursor changed since

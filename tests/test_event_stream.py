@@ -79,3 +79,38 @@ def test_event_log_sends_stale_or_trimmed_cursors_to_a_snapshot():
     assert events is None and end == 5  # trimmed: rebuild from a snapshot
     assert log.read(end + 3) == (None, end)  # a cursor from before a restart
     assert log.read(4) == ([BlockStored([k(4)], None)], 5)
+
+
+def test_a_router_replica_waits_on_redis_for_events_instead_of_polling_it(redis_client):
+    """The background poller's read blocks until an event comes (or ``STREAM_WAIT_MS``): an event reaches the
+    index within a poll interval, and an idle replica reads a few times a second, not every interval."""
+    import asyncio
+    import time
+
+    from router.routing.service import STREAM_WAIT_MS, RouterService
+
+    svc = RouterService({"g0": None}, SECRET, redis_url=f"unix://{redis_client.socket_file}", poll_interval_s=0.02)
+    sink = RedisStreamSink(redis_client, "g0")
+    keys = [k(7), k(8)]
+
+    def xreads() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
+
+    async def scenario() -> tuple[int, float]:
+        await svc.poll()  # starts the background poller
+        await asyncio.sleep(0.3)
+        before, idle_s = xreads(), 2.0
+        await asyncio.sleep(idle_s)
+        idle_reads = xreads() - before
+        sink.publish(BlockStored(keys, None))
+        t = time.monotonic()
+        while svc.router.index.match(keys) != {"g0": 2}:
+            assert time.monotonic() - t < 5, "the event never reached the index"
+            await asyncio.sleep(0.005)
+        return idle_reads, time.monotonic() - t
+
+    idle_reads, took = asyncio.run(scenario())
+    sink.close()
+    # Polling every 20 ms would be ~100 reads in 2 s; waiting up to STREAM_WAIT_MS a read, 2 s / 0.25 s = 8.
+    assert idle_reads <= 2 * 2000 // STREAM_WAIT_MS, f"{idle_reads} XREADs in 2 idle seconds"
+    assert took < 1.0, f"the event took {took:.2f} s to reach the index"

@@ -124,6 +124,8 @@ def test_scale_two_to_three_and_back_under_load_loses_nothing(server):
         assert up.returncode == 0, up.stderr
         assert "g2" in up.stdout and "serving" in up.stdout
         wait_for(lambda: groups(server)[0]["g2"]["stats"]["requests"] > 0, 120, "g2 to receive requests")
+        s = wait_for(lambda: (st := groups(server)[0]["g2"]["stats"])["steps"] > 0 and st, 30, "g2 to step")
+        assert 0 < s["step_cpu_seconds"] and 0 < s["step_seconds"], s  # the engine's own step times, per group
 
         # A cached content object is pinned on one group; drain exactly that group.
         doc = "The lighthouse tour starts at the north quay at ten and at two. " * 8

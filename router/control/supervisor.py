@@ -390,6 +390,10 @@ class Supervisor:
                         "blocks_cached": s.blocks_cached,
                         "blocks_free": s.blocks_free,
                         "requests": sum(p.requests for p in s.prefix_cache.values()),
+                        # steps that computed a batch, their wall and engine-thread CPU seconds (per step: divide)
+                        "steps": s.steps,
+                        "step_seconds": round(s.step_seconds, 6),
+                        "step_cpu_seconds": round(s.step_cpu_seconds, 6),
                     }
                 except Exception as exc:
                     entry["error"] = f"{type(exc).__name__}"

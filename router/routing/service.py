@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from common.protocol import RankHandle, SupervisorHandle
 
 REDIS_TIMEOUT_S = 2.0  # a paused or unreachable Redis fails a poll after this long; routing goes on meanwhile
+# The background poller's Redis read waits this long for a first new event (well below REDIS_TIMEOUT_S): an idle
+# replica reads a few times a second instead of every poll interval, and a busy one still reads at most once per
+# interval. A group added meanwhile is read from the next read on, at most this much later.
+STREAM_WAIT_MS = 250
 GROUP_CALL_TIMEOUT_S = 30.0  # a group's leader that does not hand over its events within this is skipped
 
 _log = logging.getLogger(__name__)
@@ -87,13 +91,20 @@ class RouterService:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def _poll_forever(self) -> None:
+        """Follow the groups' events. From Redis: a read that waits for new events (``STREAM_WAIT_MS``), then at
+        least ``poll_interval_s`` before the next, so events arriving meanwhile come in one read; over Ray, a poll
+        every ``poll_interval_s``."""
         delay = self.poll_interval_s
         while True:
             try:
-                await self.poll()
-                delay = self.poll_interval_s
+                if self.stream is not None:
+                    n = await self._poll_stream(STREAM_WAIT_MS)
+                    delay = self.poll_interval_s if n else 0.0  # (an empty read has waited already)
+                else:
+                    await self.poll()
+                    delay = self.poll_interval_s
             except Exception as exc:  # Redis or a group briefly unreachable: keep the index, retry later
-                delay = min(2.0, delay * 2)
+                delay = min(2.0, max(delay, self.poll_interval_s) * 2)
                 _log.warning("event poll failed (%s: %s); retrying in %.2f s", type(exc).__name__, exc, delay)
             await asyncio.sleep(delay)
 
@@ -121,12 +132,19 @@ class RouterService:
             n += len(events)
         return n
 
-    async def _poll_stream(self) -> int:
+    async def _poll_stream(self, block_ms: int | None = None) -> int:
+        """Read the new events from Redis (``block_ms``: waiting that long for a first one; None: answer at
+        once, what ``poll`` does) into the index; returns how many."""
         assert self.stream is not None
         # Only the Redis read runs in a thread: the index is this loop's alone, and routing goes on with the
-        # index as it is while Redis is slow or down; the cursors resume where they were once it answers.
+        # index as it is while Redis is slow or down; the cursors resume where they were once it answers. Reads
+        # may overlap (the poller's and a caller's ``poll``): a reply whose cursor moved meanwhile is dropped.
         streams = dict(self.stream.cursor)
-        reply = await asyncio.to_thread(self.stream.read, streams)
+        if not streams:
+            if block_ms:  # no group yet: nothing to wait on in Redis
+                await asyncio.sleep(block_ms / 1000)
+            return 0
+        reply = await asyncio.to_thread(self.stream.read, streams, block_ms)
         batch = self.stream.consume(streams, reply)
         for group, event in batch:
             if group in self.leaders:
