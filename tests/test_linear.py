@@ -42,7 +42,7 @@ def _two_layers() -> torch.nn.Module:
     return layers
 
 
-def test_the_float32_path_is_the_faster_of_onednn_and_f_linear_on_the_models_weights(monkeypatch):
+def test_the_float32_path_is_the_fastest_of_f_linear_onednn_and_packed_on_the_models_weights(monkeypatch):
     if linear_mod._onednn_linear is None:
         pytest.skip("this torch build has no oneDNN linear: F.linear is all there is")
     import time
@@ -51,7 +51,7 @@ def test_the_float32_path_is_the_faster_of_onednn_and_f_linear_on_the_models_wei
     real_onednn, real_linear = linear_mod._onednn_linear, F.linear
     calls = []
 
-    def slow_onednn(*args):
+    def slow_onednn(*args):  # both oneDNN ways slow
         calls.append(args[1].shape)
         time.sleep(0.002)
         return real_onednn(*args)
@@ -59,12 +59,25 @@ def test_the_float32_path_is_the_faster_of_onednn_and_f_linear_on_the_models_wei
     monkeypatch.delenv("KVGRID_CPU_LINEAR", raising=False)
     monkeypatch.setattr(linear_mod, "_onednn_linear", slow_onednn)
     monkeypatch.setattr(linear_mod, "_use_onednn", None)
-    assert linear_mod.pick_float32_path(_two_layers()) is False
+    assert linear_mod.pick_float32_path(_two_layers()) == "torch"
     assert {tuple(s) for s in calls} == {(128, 64), (64, 128)}  # each of the model's weights was timed
     calls.clear()
     x, w = torch.randn(3, 64), torch.randn(5, 64)
     torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
     assert not calls  # from now on F.linear computes
+
+    def slow_dense_onednn(*args):  # oneDNN slow from a dense weight only: packing pays
+        if not args[1].is_mkldnn:
+            time.sleep(0.002)
+        return real_onednn(*args)
+
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        monkeypatch.setattr(linear_mod, "_onednn_linear", slow_dense_onednn)
+        slow = types.SimpleNamespace(linear=lambda *a: time.sleep(0.002) or real_linear(*a))
+        monkeypatch.setattr(linear_mod, "F", slow)
+        monkeypatch.setattr(linear_mod, "_use_onednn", None)
+        assert linear_mod.pick_float32_path(_two_layers()) == "packed"
+        assert linear_mod._use_onednn is True
 
     def slow_linear(*args):
         time.sleep(0.002)
@@ -73,20 +86,20 @@ def test_the_float32_path_is_the_faster_of_onednn_and_f_linear_on_the_models_wei
     monkeypatch.setattr(linear_mod, "_onednn_linear", real_onednn)
     monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=slow_linear))
     monkeypatch.setattr(linear_mod, "_use_onednn", None)
-    assert linear_mod.pick_float32_path(_two_layers()) is True
+    assert linear_mod.pick_float32_path(_two_layers()) in ("onednn", "packed")
     assert linear_mod._use_onednn is True
 
 
 def test_kvgrid_cpu_linear_decides_without_timing_and_a_bad_value_says_what_is_allowed(monkeypatch):
     calls = []
     monkeypatch.setattr(linear_mod, "_onednn_linear", lambda *a: calls.append(a))
-    for value, want in (("torch", False), ("onednn", True)):
+    for value, onednn in (("torch", False), ("onednn", True), ("packed", True)):
         monkeypatch.setenv("KVGRID_CPU_LINEAR", value)
         monkeypatch.setattr(linear_mod, "_use_onednn", None)
-        assert linear_mod.pick_float32_path(_two_layers()) is want and linear_mod._use_onednn is want
+        assert linear_mod.pick_float32_path(_two_layers()) == value and linear_mod._use_onednn is onednn
     assert not calls
     monkeypatch.setenv("KVGRID_CPU_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="KVGRID_CPU_LINEAR must be auto, onednn or torch, not 'mkl'"):
+    with pytest.raises(ValueError, match="KVGRID_CPU_LINEAR must be auto, packed, onednn or torch, not 'mkl'"):
         linear_mod.pick_float32_path(_two_layers())
 
 
@@ -129,10 +142,33 @@ def test_bfloat16_engines_pack_their_linears_and_compute_what_the_dense_weights_
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-3)
 
 
-def test_float32_engines_pack_nothing():
+def test_float32_engines_with_packed_linears_compute_what_f_linear_does(monkeypatch):
+    """``KVGRID_CPU_LINEAR=packed``: every linear weight is packed (the dense copies dropped) and the engine
+    generates the tokens ``F.linear`` does, logprobs within float32 rounding; ``torch`` packs nothing."""
+    import random
+
+    from common.sampling import SamplingParams
     from worker.engine import Engine, EngineConfig
 
-    assert not _packed(Engine(EngineConfig(model="demo", device="cpu", dtype="float32", num_blocks=16)))
+    if linear_mod._onednn_linear is None or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN linear: nothing is packed")
+    config = EngineConfig(model="demo", device="cpu", dtype="float32", num_blocks=64)
+    monkeypatch.setenv("KVGRID_CPU_LINEAR", "packed")
+    monkeypatch.setattr(linear_mod, "_use_onednn", None)
+    packed = Engine(config)
+    names = _packed(packed)
+    assert len(names) == 4 * packed.runner.model.cfg.num_layers + 1, names  # qkv, o, gate_up, down; the head
+    assert packed.runner.linear_path == "packed"
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    got = packed.generate(prompts, params)
+    monkeypatch.setenv("KVGRID_CPU_LINEAR", "torch")
+    dense = Engine(config)
+    assert not _packed(dense) and dense.runner.linear_path == "torch"
+    for a, b in zip(got, dense.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
 
 def test_a_packing_probe_that_disagrees_packs_nothing(monkeypatch):

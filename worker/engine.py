@@ -29,7 +29,7 @@ from worker.attention import get_backend
 from worker.distributed import send_plan, tp_size
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
-from worker.layers.linear import pack_linear_weights, pick_float32_path
+from worker.layers.linear import force_float32_path, pack_linear_weights, pick_float32_path
 from worker.model_runner import ModelRunner
 from worker.models.demo_model import resolve_model
 from worker.output_processor import OutputProcessor
@@ -155,7 +155,11 @@ def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> Mod
     if device.type == "cpu" and dtype == torch.bfloat16:  # after the tiers' fingerprint, which reads the weights
         pack_linear_weights(runner.model)
     if device.type == "cpu" and dtype == torch.float32:
-        _log.info("float32 linears through %s", "oneDNN" if pick_float32_path(runner.model) else "F.linear")
+        path = pick_float32_path(runner.model)
+        if path == "packed" and not pack_linear_weights(runner.model):
+            path = force_float32_path("torch")  # a probe through a packed weight disagreed: trust F.linear only
+        runner.linear_path = path
+        _log.info("float32 linears: %s", path)
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))
     return runner

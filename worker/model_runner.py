@@ -84,6 +84,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.decode_threads: int | None = None  # CPU threads of a decode-only step; None: no change per step
+        self.linear_path: str | None = None  # CPU float32: how linears multiply (pick_float32_path), once chosen
         self._step_threads: int | None = None  # the thread count the engine thread was given (read at its first step)
         self.tiers: TierStore | None = None  # host RAM and disk under the KV cache (enable_kv_tiers)
         self.tier_load_s = 0.0  # what the last step's tier loads took

@@ -50,22 +50,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps: int = 5) -> bool | None:
-    """CPU float32: time oneDNN's matmul against ``F.linear`` (MKL) on this model's own linear weights at a few
-    batch sizes, alternating the two, and let ``linear`` use the faster from now on. Which one wins depends on the
-    CPU: oneDNN made decode steps 20-30% faster on an AVX512 EPYC, and 9-27% slower (batch 32 / batch 8) on an
-    AVX2-only one. Ties go to ``F.linear``. ``KVGRID_CPU_LINEAR=onednn|torch`` decides without timing (``auto``, the
-    default, times). Returns the choice; None when there is nothing to decide (no oneDNN op, or no float32 CPU
-    weight)."""
+FLOAT32_PATHS = ("packed", "onednn", "torch")
+
+
+def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps: int = 5) -> str | None:
+    """CPU float32: time the three ways to multiply by this model's own linear weights at a few batch sizes, in
+    turns, and let ``linear`` take the fastest from now on: ``"torch"`` (``F.linear``, MKL), ``"onednn"``
+    (oneDNN's matmul, which reorders the weight on every call) or ``"packed"`` (oneDNN from a copy reordered once;
+    the caller then packs the weights, ``pack_linear_weights``). Which wins depends on the CPU: plain oneDNN made
+    decode steps 20-30% faster on an AVX512 EPYC and 9-27% slower (batch 32 / batch 8) on an AVX2-only one, where
+    the packed weights beat ``F.linear`` by 20-50% at 8-32 rows (the same at 1 and at 128+). Ties go to
+    ``F.linear``. ``KVGRID_CPU_LINEAR=packed|onednn|torch`` decides without timing (``auto``, the default, times).
+    Returns the choice; None when there is nothing to decide (no oneDNN op, or no float32 CPU weight)."""
     global _use_onednn
     choice = os.environ.get("KVGRID_CPU_LINEAR", "auto")
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"KVGRID_CPU_LINEAR must be auto, onednn or torch, not {choice!r}")
+    if choice not in ("auto", *FLOAT32_PATHS):
+        raise ValueError(f"KVGRID_CPU_LINEAR must be auto, packed, onednn or torch, not {choice!r}")
     if _onednn_linear is None or _use_onednn is False:
-        return _use_onednn
+        return None if _use_onednn is None else "torch"
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if choice != "auto":  # the operator's word (the same path on every rank and group, say)
-        _use_onednn = choice == "onednn"
-        return _use_onednn
+        _use_onednn = choice != "torch"
+        return choice
     count: dict[tuple[int, ...], int] = {}  # a shape's share of a step: how many layers have it
     weights: dict[tuple[int, ...], torch.Tensor] = {}
     for m in model.modules():
@@ -75,34 +81,58 @@ def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps
             weights.setdefault(tuple(w.shape), w.detach())
     if not weights:
         return None
-    onednn_s = dense_s = 0.0
+    took = dict.fromkeys(FLOAT32_PATHS, 0.0)
     try:
         for shape, w in weights.items():
+            packed = reorder(w, PACK_BATCH_HINT) if reorder is not None else None
+            ways = {"torch": (_dense, w), "onednn": (_onednn, w)}
+            if packed is not None:
+                ways["packed"] = (_onednn, packed)
             for n in rows:
                 x = torch.randn(n, w.shape[1])
-                _onednn(x, w, None), F.linear(x, w)  # warm both
-                a, b = [], []
+                times: dict[str, list[float]] = {k: [] for k in ways}
+                for f, wt in ways.values():  # warm each
+                    f(x, wt, None)
                 for _ in range(reps):
-                    t = time.perf_counter()
-                    _onednn(x, w, None)
-                    a.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    F.linear(x, w)
-                    b.append(time.perf_counter() - t)
-                onednn_s += count[shape] * min(a)
-                dense_s += count[shape] * min(b)
-    except Exception:  # whatever the private op raises, F.linear computes the same thing
+                    for k, (f, wt) in ways.items():
+                        t = time.perf_counter()
+                        f(x, wt, None)
+                        times[k].append(time.perf_counter() - t)
+                for k in FLOAT32_PATHS:
+                    took[k] += count[shape] * min(times[k]) if k in times else float("inf")
+    except Exception:  # whatever the private ops raise, F.linear computes the same thing
         _use_onednn = False
-        return False
-    _use_onednn = onednn_s < dense_s
-    return _use_onednn
+        return "torch"
+    best = min(FLOAT32_PATHS[::-1], key=took.__getitem__)  # (reversed: a tie goes to F.linear)
+    _use_onednn = best != "torch"
+    return best
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
-    """CPU, bfloat16: reorder every linear weight once into oneDNN's blocked layout (``packed`` on the parameter,
-    which ``linear`` then computes from) and drop the dense copy, so the weights' memory stays what it was. Each
-    matmul then skips the reorder oneDNN otherwise makes per call: measured on 2 cores with the demo model's
-    shapes, the same results bit for bit and 25-45% faster at 1-8 rows, 10-25% at 32, the same at 512. A weight
+_PACK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}  # a probe matmul's agreement with F.linear
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def force_float32_path(path: str) -> str:
+    """Make ``linear`` take ``path`` (``"onednn"``/``"packed"``: oneDNN, ``"torch"``: ``F.linear``); returns it."""
+    global _use_onednn
+    _use_onednn = path != "torch"
+    return path
+
+
+# The row count oneDNN lays a packed weight out for (any count computes; the layout suits small batches).
+PACK_BATCH_HINT = 64
+
+
+def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
+    """CPU, bfloat16 or float32 (where ``pick_float32_path`` chose it): reorder every linear weight once into
+    oneDNN's blocked layout (``packed`` on the parameter, which ``linear`` then computes from) and drop the dense
+    copy, so the weights' memory stays what it was. Each matmul then skips the reorder oneDNN otherwise makes per
+    call: measured on 2 cores with the demo model's shapes, bfloat16: the same results bit for bit and 25-45%
+    faster at 1-8 rows, 10-25% at 32, the same at 512; float32 on an AVX2-only CPU, against ``F.linear``: 30-50%
+    faster at 8-13 rows, 20-30% at 32, the same at 1 and 128, within 5% at 2048. A weight
     another module shares (tied embeddings) stays dense. All or nothing: where the ops are missing, or a probe
     matmul through a packed weight does not match ``F.linear``, nothing is packed. Returns how many were."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -120,11 +150,12 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
     try:
         for m in layers:
             w, b = m.weight, getattr(m, "bias", None)
-            if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
+            if w.dtype not in _PACK_TOLERANCE or w.device.type != "cpu" or w.dim() != 2:
                 return 0
             p = reorder(w.detach(), batch_hint)
             probe = torch.randn(3, w.shape[1], dtype=w.dtype)
-            if not torch.allclose(_onednn(probe, p, b).float(), F.linear(probe, w, b).float(), rtol=2e-2, atol=2e-2):
+            tol = _PACK_TOLERANCE[w.dtype]
+            if not torch.allclose(_onednn(probe, p, b).float(), F.linear(probe, w, b).float(), rtol=tol, atol=tol):
                 return 0
             packed.append(p)
     except Exception:  # whatever the private ops raise, the dense weights compute the same thing
