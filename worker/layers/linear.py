@@ -53,6 +53,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 FLOAT32_PATHS = ("packed", "onednn", "torch")
 
 
+_PACK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}  # a probe matmul's agreement with F.linear
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def force_float32_path(path: str) -> str:
+    """Make ``linear`` take ``path`` (``"onednn"``/``"packed"``: oneDNN, ``"torch"``: ``F.linear``); returns it."""
+    global _use_onednn
+    _use_onednn = path != "torch"
+    return path
+
+
+# The row count oneDNN lays a packed weight out for (any count computes; the layout suits small batches).
+PACK_BATCH_HINT = 64
+
+
 def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps: int = 5) -> str | None:
     """CPU float32: time the three ways to multiply by this model's own linear weights at a few batch sizes, in
     turns, and let ``linear`` take the fastest from now on: ``"torch"`` (``F.linear``, MKL), ``"onednn"``
@@ -62,7 +80,6 @@ def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps
     the packed weights beat ``F.linear`` by 20-50% at 8-32 rows (the same at 1 and at 128+). Ties go to
     ``F.linear``. ``KVGRID_CPU_LINEAR=packed|onednn|torch`` decides without timing (``auto``, the default, times).
     Returns the choice; None when there is nothing to decide (no oneDNN op, or no float32 CPU weight)."""
-    global _use_onednn
     choice = os.environ.get("KVGRID_CPU_LINEAR", "auto")
     if choice not in ("auto", *FLOAT32_PATHS):
         raise ValueError(f"KVGRID_CPU_LINEAR must be auto, packed, onednn or torch, not {choice!r}")
@@ -70,8 +87,7 @@ def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps
         return None if _use_onednn is None else "torch"
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if choice != "auto":  # the operator's word (the same path on every rank and group, say)
-        _use_onednn = choice != "torch"
-        return choice
+        return force_float32_path(choice)
     count: dict[tuple[int, ...], int] = {}  # a shape's share of a step: how many layers have it
     weights: dict[tuple[int, ...], torch.Tensor] = {}
     for m in model.modules():
@@ -101,29 +117,8 @@ def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps
                 for k in FLOAT32_PATHS:
                     took[k] += count[shape] * min(times[k]) if k in times else float("inf")
     except Exception:  # whatever the private ops raise, F.linear computes the same thing
-        _use_onednn = False
-        return "torch"
-    best = min(FLOAT32_PATHS[::-1], key=took.__getitem__)  # (reversed: a tie goes to F.linear)
-    _use_onednn = best != "torch"
-    return best
-
-
-_PACK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}  # a probe matmul's agreement with F.linear
-
-
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-def force_float32_path(path: str) -> str:
-    """Make ``linear`` take ``path`` (``"onednn"``/``"packed"``: oneDNN, ``"torch"``: ``F.linear``); returns it."""
-    global _use_onednn
-    _use_onednn = path != "torch"
-    return path
-
-
-# The row count oneDNN lays a packed weight out for (any count computes; the layout suits small batches).
-PACK_BATCH_HINT = 64
+        return force_float32_path("torch")
+    return force_float32_path(min(FLOAT32_PATHS[::-1], key=took.__getitem__))  # (reversed: a tie goes to F.linear)
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
