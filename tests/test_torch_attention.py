@@ -1,6 +1,7 @@
-"""worker/attention/torch_backend.py against a float64 reference: decodes on both of its paths (SDPA, and the wide
-batched matmuls that bfloat16 on the CPU takes with one or two KV heads), alone and beside prefills, over shuffled
-blocks whose unused slots hold stale values (finite garbage, as a reused cache block does)."""
+"""worker/attention/torch_backend.py against a float64 reference: decodes on each of its paths (the CPU kernel that
+reads the blocks in place; with it off, SDPA, and the wide batched matmuls that bfloat16 on the CPU takes with one
+or two KV heads), alone and beside prefills, over shuffled blocks whose unused slots hold stale values (finite
+garbage, as a reused cache block does)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from tests.test_triton_attention import TOL, make_batch, reference, rel_err
+from worker.attention import cpu_kernel
 from worker.attention.torch_backend import TorchBackend
 
 # (context before, new tokens): decodes over ragged contexts, some ending inside a block, one of a single token
@@ -34,12 +36,20 @@ def run(seqs, kv_heads, group, dtype, seed=0):
 @pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decode-only", "mixed"])
 @pytest.mark.parametrize("kv_heads,group", [(1, 4), (2, 2), (2, 1), (4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_match_the_reference_on_either_path(seqs, kv_heads, group, dtype):
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_decodes_match_the_reference_on_every_path(seqs, kv_heads, group, dtype, kernel, monkeypatch):
+    if kernel == "native" and cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", kernel)
     decodes = run(seqs, kv_heads, group, dtype)
-    assert decodes.wide == (dtype == torch.bfloat16 and kv_heads <= TorchBackend.wide_max_kv_heads)
+    assert (decodes.tables is not None) == (kernel == "native")
+    assert decodes.wide == (
+        kernel == "torch" and dtype == torch.bfloat16 and kv_heads <= TorchBackend.wide_max_kv_heads
+    )
 
 
-def test_the_wide_path_masks_the_other_heads_keys_and_what_lies_past_each_row():
+def test_the_wide_path_masks_the_other_heads_keys_and_what_lies_past_each_row(monkeypatch):
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", "torch")
     q, kc, vc, md, ks, vs, nk, nv = make_batch(DECODES, 16, 2, 2, 32, torch.bfloat16)
     kc[torch.isnan(kc)], vc[torch.isnan(vc)] = 0.0, 0.0
     backend = TorchBackend()

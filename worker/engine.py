@@ -25,7 +25,7 @@ from common.hashing import HASH_ALGOS, RootKeys, new_secret
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
-from worker.attention import get_backend
+from worker.attention import TorchBackend, get_backend
 from worker.distributed import send_plan, tp_size
 from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
@@ -160,6 +160,8 @@ def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> Mod
             path = force_float32_path("torch")  # a probe through a packed weight disagreed: trust F.linear only
         runner.linear_path = path
         _log.info("float32 linears: %s", path)
+    if device.type == "cpu" and isinstance(backend, TorchBackend):  # build the decode kernel now, not in a step
+        _log.info("CPU decode attention: %s", "in place (C kernel)" if backend.cpu_kernel() else "torch (gathered)")
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len(mcfg, config.max_model_len))
     return runner

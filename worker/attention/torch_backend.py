@@ -2,16 +2,19 @@
 
 Every call takes SDPA's fused kernel: 4-D inputs throughout, and grouped-query heads handled by the kernel
 (``enable_gqa``) or, for decodes, by folding each KV head's query group into the query-length axis (the math
-fallback is about 5x slower for a 2k-token prefill).
+fallback is about 5x slower for a 2k-token prefill). On the CPU, decodes read the cache in place through a small C
+kernel where one could be built (``cpu_kernel``): gathering each row's blocks first cost more than the products.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from worker.attention import cpu_kernel
 from worker.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -20,13 +23,16 @@ class _Decodes(NamedTuple):
     (row-major, padded to the longest context) and which gathered keys each query head attends to."""
 
     rows: torch.Tensor | None
-    blocks: torch.Tensor  # [n * blocks_per_row] int64
+    blocks: torch.Tensor | None  # [n * blocks_per_row] int64 (None for the CPU kernel, which reads the tables)
     num_rows: int
     # One of the two masks. SDPA's: [n, 1, 1, L] bool, L = blocks_per_row * block_size, True where the key is
     # real. The wide path's: [n, heads, L * kv_heads] bool, True where the key is NOT the head's own or lies past
     # the row's end.
     keep: torch.Tensor | None = None
     drop: torch.Tensor | None = None
+    # Or neither: the CPU kernel reads the rows' block tables [n, >= blocks_per_row] and lengths [n] (int32).
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
     @property
     def wide(self) -> bool:
@@ -53,6 +59,8 @@ class TorchBackend(AttentionBackend):
         # costs the allocator fresh pages each time (page faults), more than the copy itself. See _gather for
         # when one is given back.
         self._gathered: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+        self._lib: ctypes.CDLL | None = None  # the CPU decode kernel, once looked up (_looked_up)
+        self._looked_up = False
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
@@ -65,8 +73,15 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = md.scratch.get("torch")
         if plan is None:
-            wide = q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.shape[2] <= self.wide_max_kv_heads
-            plan = md.scratch["torch"] = self._plan(md, k_cache.shape[1], q.device, q.shape[1], k_cache.shape[2], wide)
+            native = q.device.type == "cpu" and cpu_kernel.supports(q, k_cache) and self.cpu_kernel() is not None
+            wide = (
+                not native
+                and q.device.type == "cpu"
+                and q.dtype == torch.bfloat16
+                and k_cache.shape[2] <= self.wide_max_kv_heads
+            )
+            plan = self._plan(md, k_cache.shape[1], q.device, q.shape[1], k_cache.shape[2], wide, native)
+            md.scratch["torch"] = plan
         decodes, prefills = plan
         if decodes is not None and not prefills:  # decode-only step: the result is the output, no scatter
             return self._decode(q, k_cache, v_cache, decodes, scale)
@@ -89,9 +104,21 @@ class TorchBackend(AttentionBackend):
     # bfloat16 decodes on the CPU with at most this many KV heads (per rank) take the wide path (``_decode_wide``).
     wide_max_kv_heads = 2
 
+    def cpu_kernel(self) -> ctypes.CDLL | None:
+        """The CPU decode kernel's library, or None (looked up once per backend; built on the first look-up)."""
+        if not self._looked_up:
+            self._lib, self._looked_up = cpu_kernel.load(), True
+        return self._lib
+
     @staticmethod
     def _plan(
-        md: AttentionMetadata, block_size: int, device: torch.device, heads: int, kv_heads: int, wide: bool
+        md: AttentionMetadata,
+        block_size: int,
+        device: torch.device,
+        heads: int,
+        kv_heads: int,
+        wide: bool,
+        native: bool = False,
     ) -> tuple[_Decodes | None, list[_Prefill]]:
         """What every layer of the step reuses, derived once from the metadata."""
         qlens, slens = md.query_lens_cpu, md.seq_lens_cpu
@@ -104,16 +131,20 @@ class TorchBackend(AttentionBackend):
             else:
                 sel = torch.tensor(rows, device=device)
                 idx, tables, lens = md.query_start_loc[sel].long(), md.block_tables[sel, :width], md.seq_lens[sel]
-            keep = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
-            if wide:
-                # key j*kv_heads + h of a row is position j of KV head h; query head q reads KV head q // group
-                own = (torch.arange(heads, device=device) // (heads // kv_heads))[:, None] == torch.arange(
-                    kv_heads, device=device
-                )
-                drop = ~(keep[:, None, :, None] & own[None, :, None, :]).flatten(2)  # [n, heads, L * kv]
-                decodes = _Decodes(idx, tables.flatten().long(), len(rows), drop=drop)
+            if native:
+                decodes = _Decodes(idx, None, len(rows), tables=tables, lens=lens.contiguous())
             else:
-                decodes = _Decodes(idx, tables.flatten().long(), len(rows), keep=keep[:, None, None, :])
+                keep = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+                blocks = tables.flatten().long()
+                if wide:
+                    # key j*kv_heads + h of a row is position j of KV head h; query head q reads KV head q // group
+                    own = (torch.arange(heads, device=device) // (heads // kv_heads))[:, None] == torch.arange(
+                        kv_heads, device=device
+                    )
+                    drop = ~(keep[:, None, :, None] & own[None, :, None, :]).flatten(2)  # [n, heads, L * kv]
+                    decodes = _Decodes(idx, blocks, len(rows), drop=drop)
+                else:
+                    decodes = _Decodes(idx, blocks, len(rows), keep=keep[:, None, None, :])
         prefills, start = [], 0
         for i, (qlen, slen) in enumerate(zip(qlens, slens)):
             if qlen > 1:
@@ -126,7 +157,14 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         """One query token per sequence [n, heads, head_dim]. Whole blocks are gathered in one index_select per
         cache (rows of block_size * kv_heads * head_dim), and each KV head's group of query heads becomes a
-        query length of ``group``: plain multi-head SDPA, padding masked."""
+        query length of ``group``: plain multi-head SDPA, padding masked. Or, on the CPU where the kernel is built,
+        attention straight from the blocks (``cpu_kernel.paged_decode``)."""
+        if d.tables is not None:
+            assert d.lens is not None
+            lib = self.cpu_kernel()
+            assert lib is not None
+            return cpu_kernel.paged_decode(lib, q, k_cache, v_cache, d.tables, d.lens, scale)
+        assert d.blocks is not None
         if d.wide:
             return self._decode_wide(q, k_cache, v_cache, d, scale)
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
@@ -150,6 +188,7 @@ class TorchBackend(AttentionBackend):
         (measured on 2 cores, demo model shapes, 192 keys a row: bfloat16 366 against 623 us at 32 rows, 4.2
         against 8.8 ms at 1024 keys; decode steps of batch 32 in the engine 5-8% faster). Not for float32: there the
         engine's steps got slower with it (12.7-14.9 against 10.9-11.9 ms at batch 32)."""
+        assert d.blocks is not None
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows
         k, v = (

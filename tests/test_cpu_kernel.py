@@ -1,0 +1,112 @@
+"""worker/attention/cpu_kernel.py: the C decode kernel is built once per machine and cached, reads the blocks in
+place (long contexts, wide heads, a query that is a view), and the engine falls back to torch without a compiler."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from worker.attention import cpu_kernel
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A kernel module with nothing loaded yet, building into its own cache directory."""
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setenv("KVGRID_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("KVGRID_CPU_ATTENTION", raising=False)
+    return tmp_path
+
+
+def have_compiler() -> bool:
+    import shutil
+
+    return bool(shutil.which("cc") or shutil.which("gcc"))
+
+
+needs_cc = pytest.mark.skipif(not have_compiler(), reason="no C compiler here")
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    n, heads, _ = q.shape
+    group = heads // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(n):
+        t = tables[i, : -(-int(lens[i]) // k_cache.shape[1])].long()
+        k = k_cache[t].flatten(0, 1)[: lens[i]].double()
+        v = v_cache[t].flatten(0, 1)[: lens[i]].double()
+        for h in range(heads):
+            p = torch.softmax(k[:, h // group] @ q[i, h].double() * scale, dim=0)
+            out[i, h] = p @ v[:, h // group]
+    return out
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 64, 16), (8, 1, 128, 8), (6, 6, 32, 32)])
+def test_the_kernel_matches_a_float64_reference(fresh, dtype, tol, heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 300, 64 * 3 + 5], dtype=torch.int32)  # across chunks too
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * width + 4
+    # stale blocks and slots past each row's end hold huge values: reading one would show
+    k_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 1e4).to(dtype)
+    v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 1e4).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    for i, n in enumerate(lens.tolist()):
+        for p in range(n):
+            b, o = int(tables[i, p // block_size]), p % block_size
+            k_cache[b, o] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+            v_cache[b, o] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    # q as the model makes it: a view into a wider row (Q beside K in the fused projection)
+    fused = torch.randn(len(lens), heads + kv_heads, head_dim, generator=g).to(dtype)
+    q = fused[:, :heads]
+    assert not q.is_contiguous()
+    lib = cpu_kernel.load()
+    assert lib is not None
+    out = cpu_kernel.paged_decode(lib, q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"max abs error {err:.2e}"
+    # a one-key row is exactly that key's value
+    torch.testing.assert_close(out[0].float(), v_cache[tables[0, 0], 0].float().repeat_interleave(heads // kv_heads, 0))
+
+
+@needs_cc
+def test_the_build_is_cached_and_reused(fresh):
+    assert cpu_kernel.load() is not None
+    built = list(fresh.glob("cpu_decode-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    cpu_kernel._tried, cpu_kernel._lib = False, None  # as a new process would
+    assert cpu_kernel.load() is not None
+    assert list(fresh.glob("*")) == built and built[0].stat().st_mtime_ns == mtime
+
+
+def test_without_a_compiler_attention_falls_back_to_torch(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="kvgrid.worker"):
+        assert cpu_kernel.load() is None
+    assert "using the torch path" in caplog.text
+    # and the backend then decodes through torch, correctly
+    from tests.test_torch_attention import DECODES, run
+
+    decodes = run(DECODES, 2, 2, torch.float32)
+    assert decodes.tables is None
+
+
+def test_native_makes_a_missing_kernel_an_error_and_torch_never_builds_it(fresh, monkeypatch):
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", "torch")
+    assert cpu_kernel.load() is None
+    assert not list(fresh.glob("*"))
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", "native")
+    with pytest.raises(RuntimeError, match="KVGRID_CPU_ATTENTION=native"):
+        cpu_kernel.load()
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="KVGRID_CPU_ATTENTION must be auto, native or torch, not 'fast'"):
+        cpu_kernel.load()

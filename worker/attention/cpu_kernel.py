@@ -1,0 +1,151 @@
+"""The CPU paged decode kernel (``cpu_decode.c``): built once per machine with the system's C compiler, loaded
+through ctypes.
+
+The build is cached under ``$KVGRID_KERNEL_CACHE`` (default ``~/.cache/kvgrid/kernels``), keyed by the source,
+the flags, the compiler and the CPU's feature flags (it is compiled for the CPU it runs on, ``-march=native``).
+Without a compiler, or when the build fails, ``load`` returns None and attention stays on the torch path.
+``KVGRID_CPU_ATTENTION=auto|native|torch``: ``native`` makes a missing kernel an error, ``torch`` never uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvgrid.worker")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+# No -ffast-math: linked into a shared library it would switch the whole process to flush-to-zero on load. These
+# let the compiler vectorize the float sums (reassociation) without touching torch's numerics.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+CHOICES = ("auto", "native", "torch")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def choice() -> str:
+    value = os.environ.get("KVGRID_CPU_ATTENTION", "auto")
+    if value not in CHOICES:
+        raise ValueError(f"KVGRID_CPU_ATTENTION must be auto, native or torch, not {value!r}")
+    return value
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVGRID_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgrid" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_decode-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place: processes building at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None where it cannot be had or ``KVGRID_CPU_ATTENTION=torch``."""
+    global _lib, _tried
+    want = choice()
+    if want == "torch":
+        return None
+    if not _tried:
+        _tried = True
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        try:
+            if compiler is None:
+                raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+            lib = ctypes.CDLL(str(_build(compiler)))
+            fn = lib.kvgrid_paged_decode
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # q, its row stride, K, V
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # tables, their stride, lens, out
+                ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # n, heads, kv, dim, block
+                ctypes.c_float, ctypes.c_int,  # scale, dtype
+            ]  # fmt: skip
+            _lib = lib
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or ""
+            log.warning("CPU decode attention kernel unavailable (%s%s); using the torch path", e, detail[-500:])
+    if _lib is None and want == "native":
+        raise RuntimeError("KVGRID_CPU_ATTENTION=native, but the CPU decode kernel could not be built (see the log)")
+    return _lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors (CPU, float32 or bfloat16, a whole number of query heads per KV
+    head); the caller checks ``load()`` too."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k_cache.dtype == q.dtype
+        and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per row, ``q`` [n, heads, head_dim], over each row's ``seq_lens`` keys in the
+    blocks ``block_tables`` [n, >= blocks needed] (int32) names. Returns [n, heads, head_dim] in q's dtype."""
+    n, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    out = torch.empty(n, heads, head_dim, dtype=q.dtype)
+    rc = lib.kvgrid_paged_decode(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+        n, heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, _DTYPES[q.dtype],
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode kernel failed ({rc}) for heads={heads}, kv_heads={k_cache.shape[2]}")
+    return out
