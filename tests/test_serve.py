@@ -10,8 +10,10 @@ import openai
 import pytest
 import redis
 
+from common.model_config import load_tokenizer
 from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, an, chat, oa
 from router.gateway.store import read_usage
+from worker.models.demo_model import resolve_model
 
 
 @pytest.fixture()
@@ -198,6 +200,13 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server):
     with pytest.raises(openai.APIStatusError) as too_long:
         client.completions.create(model="demo", prompt=[5] * 2000, max_tokens=2)
     assert too_long.value.status_code == 413
+    vocab = len(load_tokenizer(str(resolve_model("demo"))))  # the model the server runs (TEST_DEFAULTS)
+    for ids in ([5, vocab], [vocab + 10**6, 5]):  # past the vocabulary, anywhere in the prompt
+        with pytest.raises(openai.BadRequestError, match="token id outside the vocabulary"):
+            client.completions.create(model="demo", prompt=ids, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="greater than or equal to 0"):  # the schema's own check
+        client.completions.create(model="demo", prompt=[5, -1], max_tokens=1)
+    assert client.completions.create(model="demo", prompt=[0, vocab - 1], max_tokens=1).usage.prompt_tokens == 2
     big = httpx.post(
         f"{server.base}/acme/v1/chat/completions",
         headers={"Authorization": f"Bearer {ACME_KEY}"},

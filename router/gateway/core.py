@@ -548,6 +548,9 @@ class Gateway:
         self.model_id = config.model_id
         self.keys = keys
         self.tokenizer = load_tokenizer(model_path)
+        # Token ids a prompt may hold: below this. Read once: len() of a transformers tokenizer rebuilds its whole
+        # vocabulary (a per-token check with it cost about 1 ms per 2k-token prompt).
+        self.vocab_size = len(self.tokenizer)
         mcfg = ModelConfig.from_folder(model_path)
         self.max_model_len = max_model_len(mcfg, config.max_model_len)  # the same limit the engine enforces
         self.routers = list(routers)

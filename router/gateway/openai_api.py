@@ -155,7 +155,7 @@ class OpenAIApi:
         body: CompletionRequest = await self._read(request, CompletionRequest)
         prefix, ttl = await gw.cached_prefix(t, body.cached_content, API)
         tokens = gw.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if any(not 0 <= tok < len(gw.tokenizer) for tok in tokens):
+        if tokens and not (0 <= min(tokens) and max(tokens) < gw.vocab_size):
             raise err(400, "prompt: token id outside the vocabulary", API)
         return await self._respond(t, request, body, prefix + tokens, len(prefix), ttl, body.max_tokens, chat=False)
 
