@@ -31,6 +31,8 @@ lint: install
 system-tools:
 	@command -v rsync >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync) || \
 		echo "rsync could not be installed: tests/test_ray_up.py will be skipped"
+	@command -v cc >/dev/null || command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc) || \
+		echo "no C compiler could be installed: the CPU decode kernel's tests will be skipped"
 
 test: install lint system-tools
 	$(PY) -m pytest -q

@@ -50,6 +50,11 @@ def _cpu_flags() -> str:
     return ""
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernel is built with: ``$CC``, else ``cc`` or ``gcc`` on the PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("KVGRID_KERNEL_CACHE")
     if root:
@@ -90,7 +95,7 @@ def load() -> ctypes.CDLL | None:
         return None
     if not _tried:
         _tried = True
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = find_compiler()
         try:
             if compiler is None:
                 raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
