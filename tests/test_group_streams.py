@@ -12,6 +12,7 @@ import time
 import pytest
 
 from common.sampling import SamplingParams
+from harness import wait_for
 from worker.engine import EngineConfig
 
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
@@ -289,6 +290,18 @@ def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
         time.sleep(0.05)
 
 
+def _dead(ray_local, actor) -> bool:
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        ray_local.get(actor.health.remote(), timeout=5)
+    except RayActorError:
+        return True
+    except GetTimeoutError:  # not answered yet: ask again
+        pass
+    return False
+
+
 def test_the_clients_unary_calls_time_out_and_a_dead_leader_is_a_group_failure(ray_local):
     from common.errors import GroupUnhealthyError
     from common.protocol import GroupClient
@@ -312,6 +325,8 @@ def test_the_clients_unary_calls_time_out_and_a_dead_leader_is_a_group_failure(r
     with pytest.raises(TimeoutError):
         asyncio.run(client._aget(client.leader.health.remote(True), 0.3))
     ray_local.kill(client.leader)
+    # The kill is asynchronous: a call sent right after it may still be served. Wait until the actor is gone.
+    wait_for(lambda: _dead(ray_local, client.leader), 20, "the killed leader to be dead")
     with pytest.raises(GroupUnhealthyError, match="'g-calls' failed: (RayActorError|ActorDiedError)"):
         client.health(timeout_s=20)
     with pytest.raises(GroupUnhealthyError, match="'g-calls' failed"):
