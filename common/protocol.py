@@ -1,17 +1,21 @@
 """What crosses the boundary between a worker group's leader (rank 0) and its callers, and the caller's side of it.
 
-A request is sent with one unary ``submit`` call (a ``Submit``). Its outputs come back as ``Delta``s: only what
-changed in a step (new token ids, new text, new logprobs, the finish), never the prompt or the tokens so far. A
-caller with many requests on a group (a gateway replica) holds one subscription to the leader, a Ray streaming
-call that yields at most one message per engine step, carrying the deltas of all of that caller's requests;
-``GroupLink`` reads it, fans the deltas out to each request's stream and rebuilds the cumulative
-``RequestOutput`` the caller reads (``Outputs``: incrementally, never copying what came before). One message per
-step instead of one Ray object per request per token is what keeps a busy group's outputs from queueing behind
-Ray's per-object overhead.
+A request is sent with one ``submit`` (a ``Submit``). Its outputs come back as ``Delta``s: only what changed in
+a step (new token ids, new text, new logprobs, the finish), never the prompt or the tokens so far. A caller with
+many requests on a group (a gateway replica) holds one subscription to the leader that carries at most one
+message per engine step with the deltas of all of that caller's requests; ``GroupLink`` holds it, fans the deltas
+out to each request's stream and rebuilds the cumulative ``RequestOutput`` the caller reads (``Outputs``:
+incrementally, never copying what came before). One message per step instead of one object per request per
+token is what keeps a busy group's outputs from queueing behind per-message overhead.
+
+The subscription, and the submits and aborts of its requests, go over the leader's direct channel
+(``common/channel.py``: one TCP connection, a pickle per message), not through Ray, whose per-call and per-message
+cost in both processes was most of what HTTP lost against the engine; ``KVGRID_GROUP_CHANNEL=ray`` makes them Ray
+calls and a Ray stream again. Every other call into the leader is a Ray call.
 
 The leader ends a subscription when it fails (its requests then fail with ``GroupUnhealthyError``); when the
-subscriber dies, Ray closes the subscription (it is read with backpressure, which is what makes Ray notice a
-dead reader), and the leader aborts that subscriber's requests.
+subscriber dies, its connection closes (over Ray: Ray closes the stream, which it reads with backpressure), and
+the leader aborts that subscriber's requests.
 
 Callers hold a ``GroupClient`` (a group's name and its leader's handle): the one wrapper through which the
 gateway, the supervisor, the admin API and ``WorkerGroup`` call a leader. The errors that cross this boundary are
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from common import channel
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, group_error
 from common.events import KVEvent
 from common.outputs import RequestOutput
@@ -50,7 +56,6 @@ SupervisorHandle: TypeAlias = Any
 # Ray close the leader's side when the subscriber dies. A slow reader is not slowed further: the leader keeps
 # collecting its deltas and sends them together.
 SUBSCRIPTION_BACKPRESSURE = 8
-HEARTBEAT_S = 5.0  # an idle subscription still yields this often, so a dead subscriber is noticed when idle too
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,16 @@ class Outputs:
 OnSilence: TypeAlias = Callable[[], Awaitable[None]]
 
 
+def link_transport() -> str:
+    """How a ``GroupLink`` talks to its leader: ``socket`` (the default: the leader's direct channel,
+    ``common/channel.py``) or ``ray`` (a Ray call per submit and a Ray stream for the deltas; set
+    ``KVGRID_GROUP_CHANNEL=ray`` where the gateways cannot open a TCP connection to the leaders' nodes)."""
+    kind = os.environ.get("KVGRID_GROUP_CHANNEL", "socket") or "socket"
+    if kind not in ("socket", "ray"):
+        raise ValueError(f"KVGRID_GROUP_CHANNEL={kind!r}: expected 'socket' or 'ray'")
+    return kind
+
+
 class GroupLink:
     """This event loop's subscription to one group leader: every request it streams shares it. Made and kept by
     ``GroupClient.link``."""
@@ -217,9 +232,13 @@ class GroupLink:
     def __init__(self, group: str, leader: RankHandle) -> None:
         self.group, self.leader = group, leader
         self.id = f"sub-{uuid.uuid4().hex}"
+        self.transport = link_transport()
         self._streams: dict[str, asyncio.Queue] = {}
         self._error: Exception | None = None
         self.messages = self.deltas = 0  # subscription messages and the deltas in them (batching, observed)
+        self._writer: asyncio.StreamWriter | None = None  # the channel's, once connected (socket transport)
+        self._calls: dict[int, asyncio.Future] = {}  # submits sent on the channel, by call id, until answered
+        self._next_call = 0
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -228,28 +247,17 @@ class GroupLink:
         return self._reader.done()
 
     async def _read(self) -> None:
-        import ray
-
         error: Exception = GroupUnhealthyError(f"worker group {self.group!r} closed its subscription")
-        gen = self.leader.subscribe.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(
-            self.id
-        )
         try:
-            async for ref in gen:
-                batch = await ref
-                if not self._ready.done():
-                    self._ready.set_result(None)
-                if batch:
-                    self.messages += 1
-                    self.deltas += len(batch)
-                for d in batch:
-                    queue = self._streams.get(d.request_id)
-                    if queue is not None:
-                        queue.put_nowait(d)
-        except asyncio.CancelledError:  # this loop is closing, this process is not: end the leader's side too
-            ray.cancel(gen)
-            raise
-        except Exception as exc:  # a Ray error: the group failed, or its leader died
+            if self.transport == "ray":
+                await self._read_ray()
+            else:
+                await self._read_channel()
+        except channel.ChannelClosed:  # the leader's side closed without a word: it is gone
+            pass
+        except GroupUnhealthyError as exc:  # the leader said the group failed, or fell silent
+            error = exc
+        except Exception as exc:  # a Ray error (the group failed, or its leader died), a connection error
             error = group_error(exc, self.group)
         finally:  # also when cancelled (the loop is closing): no stream may wait on a reader that is gone
             self._error = error
@@ -258,6 +266,94 @@ class GroupLink:
                 self._ready.exception()  # read here, so a link nobody waited on logs nothing
             for queue in self._streams.values():
                 queue.put_nowait(error)
+            for call in self._calls.values():
+                if not call.done():
+                    call.set_exception(self._failed())
+            self._calls.clear()
+
+    def _deliver(self, batch: list[Delta]) -> None:
+        if not self._ready.done():
+            self._ready.set_result(None)
+        if batch:
+            self.messages += 1
+            self.deltas += len(batch)
+        for d in batch:
+            queue = self._streams.get(d.request_id)
+            if queue is not None:
+                queue.put_nowait(d)
+
+    async def _read_ray(self) -> None:
+        import ray
+
+        gen = self.leader.subscribe.options(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE).remote(
+            self.id
+        )
+        try:
+            async for ref in gen:
+                self._deliver(await ref)
+        except asyncio.CancelledError:  # this loop is closing, this process is not: end the leader's side too
+            ray.cancel(gen)
+            raise
+
+    async def _read_channel(self) -> None:
+        host, port, token = await self.leader.channel.remote()
+        reader, writer = await asyncio.open_connection(host, port, limit=channel.STREAM_LIMIT)
+        try:
+            channel.no_delay(writer)
+            writer.write(channel.hello(token, self.id))
+            self._writer = writer
+            while True:
+                try:
+                    async with asyncio.timeout(channel.SILENCE_S):
+                        msg = await channel.read_frame(reader)
+                except TimeoutError:
+                    raise GroupUnhealthyError(
+                        f"worker group {self.group!r} sent nothing on its channel for {channel.SILENCE_S:g} s"
+                    ) from None
+                kind = msg[0]
+                if kind == "deltas":
+                    self._deliver(msg[1])
+                elif kind == "reply":
+                    _, call, ok, value = msg
+                    future = self._calls.pop(call, None)
+                    if future is not None and not future.done():
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(value)
+                elif kind == "failed":
+                    raise GroupUnhealthyError(msg[1])
+        finally:  # the leader aborts this subscriber's unfinished requests once it sees the channel closed
+            writer.close()
+
+    async def _submit(self, req: Submit) -> None:
+        """Send ``req`` to the leader and wait until it has taken it (its deltas may come before the reply)."""
+        if self.transport == "ray":
+            from ray.exceptions import RayError
+
+            try:
+                await self.leader.submit.remote(self.id, req)
+            except RayError as exc:
+                raise group_error(exc, self.group) from None
+            return
+        writer = self._writer
+        if writer is None or writer.is_closing() or self._error is not None:
+            raise (
+                self._failed()
+                if self._error is not None
+                else GroupUnhealthyError(f"worker group {self.group!r}: its channel is closed")
+            )
+        self._next_call += 1
+        future = self._calls[self._next_call] = asyncio.get_running_loop().create_future()
+        writer.write(channel.frame(("submit", self._next_call, req)))
+        await future
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request of this link on the leader (not waiting for it)."""
+        if self.transport == "ray":
+            self.leader.abort.remote(request_id)
+        elif self._writer is not None and not self._writer.is_closing():
+            self._writer.write(channel.frame(("abort", 0, request_id)))
 
     def _failed(self) -> Exception:
         """A fresh copy of the link's error for one request (one instance raised in many tasks would collect
@@ -271,8 +367,6 @@ class GroupLink:
         """Outputs of one request as the group produces them. The request is aborted on the group if this stream
         is closed before its end. ``await on_silence()`` runs after every ``silence_s`` without a delta (it may
         raise to end the stream)."""
-        from ray.exceptions import RayError
-
         req = req.named()
         rid = req.request_id
         assert rid is not None
@@ -287,10 +381,10 @@ class GroupLink:
             if self._error is not None:
                 raise self._failed()
             try:
-                await self.leader.submit.remote(self.id, req)
-            except RayError as exc:
-                finished = True  # refused: there is nothing to abort
-                raise group_error(exc, self.group) from None
+                await self._submit(req)
+            except Exception:
+                finished = True  # refused (or the group failed): there is nothing to abort
+                raise
             outputs = Outputs(req, rid)
             while not finished:
                 item = await self._next(queue, on_silence, silence_s)
@@ -303,7 +397,7 @@ class GroupLink:
         finally:
             self._streams.pop(rid, None)
             if not finished and self._error is None:
-                self.leader.abort.remote(rid)
+                self._abort(rid)
 
     @staticmethod
     async def _next(queue: asyncio.Queue, on_silence: OnSilence | None, silence_s: float):

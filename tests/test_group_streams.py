@@ -36,7 +36,9 @@ def wait_idle(group, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_batched(group):
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_batched(group, transport, monkeypatch):
+    monkeypatch.setenv("KVGRID_GROUP_CHANNEL", transport)
     rng = random.Random(3)
     prompts = [[rng.randrange(4000) for _ in range(rng.randrange(4, 80))] for _ in range(24)]
     params = [
@@ -60,6 +62,7 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
         return runs, group.client.link()  # this loop's one subscription, which every request used
 
     runs, link = asyncio.run(together())
+    assert link.transport == transport
     for outs, ref in zip(runs, one_by_one):
         last = outs[-1]
         assert last.finished and [o.finished for o in outs].count(True) == 1
@@ -205,8 +208,11 @@ def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local,
     wait_idle(group)
 
 
-def test_closing_a_stream_or_an_abort_by_another_caller_ends_the_request(group):
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_closing_a_stream_or_an_abort_by_another_caller_ends_the_request(group, transport, monkeypatch):
     from common.errors import RequestAborted
+
+    monkeypatch.setenv("KVGRID_GROUP_CHANNEL", transport)
 
     async def closed_early():
         stream = group.astream([9, 9, 9], LONG)
@@ -231,6 +237,44 @@ def test_closing_a_stream_or_an_abort_by_another_caller_ends_the_request(group):
         asyncio.run(aborted())
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(group.astream([], LONG).__anext__())
+
+
+class _Planted:
+    """Unpickling this writes a file: what a stranger's frame would run if the leader unpickled it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_channel_takes_nothing_from_a_connection_without_its_token(ray_local, group, tmp_path):
+    from common import channel
+
+    host, port, token = ray_local.get(group.leader.channel.remote())
+    assert host == "127.0.0.1" and len(token) == 32
+    planted = tmp_path / "planted"
+
+    async def connect(hello: bytes):
+        """The leader's first frame after ``hello`` and a frame that plants a file when unpickled; None when the
+        leader closes the connection instead."""
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(hello + channel.frame(("submit", 1, _Planted(str(planted)))))
+        try:
+            return await asyncio.wait_for(channel.read_frame(reader), 10)
+        except channel.ChannelClosed:
+            return None
+        finally:
+            writer.close()
+
+    assert asyncio.run(connect(channel.hello("0" * 32, "sub-stranger"))) is None
+    assert asyncio.run(connect(b"\x00\x00\x00\x05hello")) is None
+    time.sleep(0.5)
+    assert not planted.exists()
+    # The same frames after the right hello are read (so the refusals above are the token's doing)
+    assert asyncio.run(connect(channel.hello(token, "sub-known"))) == ("deltas", [])
+    wait_for(planted.exists, 10, "the known subscriber's frame to be read")
 
 
 def test_steps_run_on_one_thread_with_cpus_per_rank_threads(ray_local, group):

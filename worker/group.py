@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
 import os
 import re
+import secrets
 import socket
 import time
 import uuid
@@ -35,10 +37,12 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common import channel
+from common.channel import HEARTBEAT_S
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed  # noqa: F401  (re-exported)
 from common.events import EventLog, EventSink, HeldKeys, KVEvent, snapshot_events
 from common.outputs import RequestOutput
-from common.protocol import HEARTBEAT_S, Delta, GroupClient, RankHandle, Submit
+from common.protocol import Delta, GroupClient, RankHandle, Submit
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineStats, build_runner
 from worker.engine_process import EngineProcess, EngineProcessDied
@@ -98,6 +102,8 @@ class RankActor:
         self._wake: asyncio.Event | None = None
         self.step_timeout_s = 60.0
         self._step_started: float | None = None  # monotonic time the running step began
+        self._channel: asyncio.Future | None = None  # the direct channel's server, once asked for
+        self._channel_token = ""
 
     def _set_threads(self, n: int) -> None:
         import torch
@@ -154,30 +160,119 @@ class RankActor:
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
     async def subscribe(self, subscriber: str) -> AsyncIterator[list[Delta]]:
-        """The deltas of every request submitted under ``subscriber``: at most one message per engine step (an
-        empty one first, once it is registered, and every ``HEARTBEAT_S`` when idle). When it ends (the group
-        failed, or Ray closed it because its reader died) its unfinished requests are aborted."""
+        """The deltas of every request submitted under ``subscriber``, as a Ray stream (``KVGRID_GROUP_CHANNEL=ray``;
+        the default is the direct channel, ``channel``): at most one message per engine step (an empty one first,
+        once it is registered, and every ``HEARTBEAT_S`` when idle). When it ends (the group failed, or Ray closed
+        it because its reader died) its unfinished requests are aborted."""
+        sub = self._register(subscriber)
+        try:
+            yield []
+            async for batch in self._batches(sub):
+                yield batch
+        finally:
+            self._close(subscriber, sub)
+
+    def _register(self, subscriber: str) -> _Subscriber:
         if self.error is not None:
             raise GroupUnhealthyError(self.error)
         if subscriber in self._subs:
             raise ValueError(f"subscription {subscriber!r} already exists")
         sub = self._subs[subscriber] = _Subscriber()
+        return sub
+
+    async def _batches(self, sub: _Subscriber) -> AsyncIterator[list[Delta]]:
+        """A subscription's messages after the first: what its requests produced since the last one, at least
+        every ``HEARTBEAT_S``; raises ``GroupUnhealthyError`` once the group has failed and nothing is pending."""
+        while True:
+            if self.error is None:  # once failed, nothing more comes: no wait before saying so
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
+                except TimeoutError:
+                    pass
+            batch = self._take(sub)
+            # Deltas of the last good step go out first (a request that finished in it gets its result);
+            # the failure is raised on the next pass, once nothing is pending.
+            if not batch and self.error is not None:
+                raise GroupUnhealthyError(self.error)
+            yield batch
+
+    async def channel(self) -> tuple[str, int, str]:
+        """Where this leader's direct channel listens (``common/channel.py``): its node's address, a port, and
+        the token a subscriber shows first. Started on the first ask."""
+        if self._channel is None:
+            self._channel_token = secrets.token_hex(16)
+            self._channel = asyncio.ensure_future(
+                asyncio.start_server(
+                    self._on_channel, ray.util.get_node_ip_address(), 0, limit=channel.STREAM_LIMIT, backlog=256
+                )
+            )
+        server = await asyncio.shield(self._channel)
+        host, port = server.sockets[0].getsockname()[:2]
+        return host, port, self._channel_token
+
+    async def _on_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One subscriber's connection: its submits and aborts in, its deltas out, until either side closes it;
+        then its unfinished requests are aborted."""
+        channel.no_delay(writer)
         try:
-            yield []
-            while True:
-                if self.error is None:  # once failed, nothing more comes: no wait before saying so
-                    try:
-                        await asyncio.wait_for(sub.wake.wait(), HEARTBEAT_S)
-                    except TimeoutError:
-                        pass
-                batch = self._take(sub)
-                # Deltas of the last good step go out first (a request that finished in it gets its result);
-                # the failure is raised on the next pass, once nothing is pending.
-                if not batch and self.error is not None:
-                    raise GroupUnhealthyError(self.error)
-                yield batch
+            try:
+                token, subscriber = await asyncio.wait_for(channel.read_hello(reader), channel.HELLO_TIMEOUT_S)
+            except (TimeoutError, ConnectionError):
+                return
+            if not hmac.compare_digest(token.encode(), self._channel_token.encode()):
+                return
+            try:
+                sub = self._register(subscriber)
+            except (GroupUnhealthyError, ValueError) as exc:
+                writer.write(channel.frame(("failed", str(exc))))
+                return
+            sender = self._spawn(self._send_batches(sub, writer))
+            try:
+                while True:
+                    kind, call, arg = await channel.read_frame(reader)
+                    if kind == "submit":
+                        self._spawn(self._channel_submit(sub, writer, call, arg))
+                    elif kind == "abort":
+                        self._spawn(self._channel_abort(arg))
+            except (ConnectionError, ValueError, TypeError):  # closed, or not a message of this protocol
+                pass
+            finally:
+                sender.cancel()
+                self._close(subscriber, sub)
         finally:
-            self._close(subscriber, sub)
+            writer.close()
+
+    async def _send_batches(self, sub: _Subscriber, writer: asyncio.StreamWriter) -> None:
+        """The subscription's messages onto its connection. While the subscriber is slow to read (``drain``
+        waits), the deltas of later steps collect and go out together."""
+        try:
+            writer.write(channel.frame(("deltas", [])))
+            await writer.drain()
+            async for batch in self._batches(sub):
+                writer.write(channel.frame(("deltas", batch)))
+                await writer.drain()
+        except GroupUnhealthyError as exc:
+            writer.write(channel.frame(("failed", str(exc))))
+            writer.close()
+        except ConnectionError:
+            writer.close()
+
+    async def _channel_submit(self, sub: _Subscriber, writer: asyncio.StreamWriter, call: int, req: Submit) -> None:
+        reply: tuple[bool, object]
+        try:
+            reply = (True, await self._submit(sub, req))
+        except Exception as exc:
+            reply = (False, channel.portable_error(exc))
+        if not writer.is_closing():
+            writer.write(channel.frame(("reply", call, *reply)))
+
+    async def _channel_abort(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id)
+        except GroupUnhealthyError:  # the group failed: its requests are gone with it
+            pass
+        except Exception:
+            _log.exception("rank 0: aborting request %s failed", request_id)
 
     async def submit(self, subscriber: str, req: Submit) -> str:
         """Start a request whose deltas go to ``subscriber``'s subscription; returns its id."""
