@@ -19,15 +19,14 @@
 
 #define CHUNK 64 /* keys scored before one softmax rescale */
 
-/* dst[0:d] = src[off:off+d] as float (bfloat16 widens exactly: its bits are a float's upper half) */
-static inline void load_row(float *restrict dst, const void *src, int64_t off, int d, int dtype) {
-    if (dtype == 0) {
-        memcpy(dst, (const float *)src + off, (size_t)d * sizeof(float));
-    } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        uint32_t *u = (uint32_t *)dst;
-        for (int i = 0; i < d; i++) u[i] = (uint32_t)s[i] << 16;
-    }
+/* src[off:off+d] as floats: float32 in place; bfloat16 widened into dst (exactly: its bits are a float's upper
+ * half). Copying float32 rows too cost as much as all the arithmetic. */
+static inline const float *load_row(float *restrict dst, const void *src, int64_t off, int d, int dtype) {
+    if (dtype == 0) return (const float *)src + off;
+    const uint16_t *s = (const uint16_t *)src + off;
+    uint32_t *u = (uint32_t *)dst;
+    for (int i = 0; i < d; i++) u[i] = (uint32_t)s[i] << 16;
+    return dst;
 }
 
 /* e^x for x <= 0 (a score minus the running maximum), in a form the compiler vectorizes (libm's expf is a call
@@ -66,17 +65,17 @@ static void one_row(const void *q, int64_t q_off, const void *k_cache, const voi
     const int group = heads / kv_heads, width = kv_heads * d; /* a token's K (or V): all its KV heads, contiguous */
     float *qf = ws, *acc = qf + heads * d, *s = acc + heads * d, *m = s + heads * CHUNK, *l = m + heads;
     float *row = l + heads;
-    load_row(qf, q, q_off, heads * d, dtype);
-    for (int i = 0; i < heads * d; i++) { qf[i] *= scale; acc[i] = 0.f; }
+    const float *q_row = load_row(qf, q, q_off, heads * d, dtype); /* q itself (float32) or qf (widened) */
+    for (int i = 0; i < heads * d; i++) { qf[i] = q_row[i] * scale; acc[i] = 0.f; }
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }
     for (int start = 0; start < len; start += CHUNK) {
         const int nk = len - start < CHUNK ? len - start : CHUNK;
         for (int t = 0; t < nk; t++) { /* this chunk's scores */
             const int pos = start + t;
-            load_row(row, k_cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * width, width,
-                     dtype);
+            const float *key = load_row(
+                row, k_cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * width, width, dtype);
             for (int h = 0; h < heads; h++) {
-                const float *qh = qf + h * d, *kh = row + (h / group) * d;
+                const float *qh = qf + h * d, *kh = key + (h / group) * d;
                 float dot = 0.f;
                 for (int i = 0; i < d; i++) dot += qh[i] * kh[i];
                 s[h * CHUNK + t] = dot;
@@ -93,10 +92,10 @@ static void one_row(const void *q, int64_t q_off, const void *k_cache, const voi
         }
         for (int t = 0; t < nk; t++) {
             const int pos = start + t;
-            load_row(row, v_cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * width, width,
-                     dtype);
+            const float *value = load_row(
+                row, v_cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * width, width, dtype);
             for (int h = 0; h < heads; h++) {
-                const float p = s[h * CHUNK + t], *vh = row + (h / group) * d;
+                const float p = s[h * CHUNK + t], *vh = value + (h / group) * d;
                 float *ah = acc + h * d;
                 for (int i = 0; i < d; i++) ah[i] += p * vh[i];
             }
