@@ -105,3 +105,56 @@ def test_native_makes_a_missing_kernel_an_error_and_torch_never_builds_it(fresh,
     monkeypatch.setenv("KVGRID_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="KVGRID_CPU_ATTENTION must be auto, native or torch, not 'fast'"):
         cpu_kernel.load()
+
+
+@needs_cc
+@pytest.mark.parametrize("rows,dim", [(1, 256), (8, 256), (5, 4096), (3, 37)])  # 37: no whole vector register
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_runs_through_the_kernel_and_matches_a_float64_reference(fresh, rows, dim, with_residual):
+    from worker.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim, generator=g)
+    x = torch.randn(rows, dim, generator=g) * 30  # large sums of squares
+    residual = torch.randn(rows, dim, generator=g) if with_residual else None
+    calls = []
+    real = cpu_kernel.add_rms_norm
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    fresh_module = pytest.MonkeyPatch()
+    fresh_module.setattr(cpu_kernel, "add_rms_norm", spy)
+    try:
+        out, h = norm(x, residual)
+    finally:
+        fresh_module.undo()
+    assert len(calls) == 1
+    h_ref = x.double() + (0 if residual is None else residual.double())
+    ref = norm.weight.double() * h_ref / torch.sqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert out.dtype == torch.float32 and out.shape == (rows, dim)
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    torch.testing.assert_close(h, x if residual is None else x + residual, rtol=0, atol=0)  # the next residual
+    # inputs are left as they were
+    assert residual is None or not torch.equal(h, residual)
+
+
+@needs_cc
+def test_rms_norm_leaves_what_the_kernel_does_not_take_to_torch(fresh, monkeypatch):
+    from worker.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    monkeypatch.setattr(cpu_kernel, "add_rms_norm", lambda *a: pytest.fail("the kernel took a tensor it cannot"))
+    x = torch.randn(2, 3, 64)  # 3-D
+    out, h = norm(x)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
+    xb = torch.randn(4, 64).to(torch.bfloat16)  # a bfloat16 model's rows
+    out, _ = norm.to(torch.bfloat16)(xb, xb)
+    assert out.dtype == torch.bfloat16
+    # and KVGRID_CPU_ATTENTION=torch keeps a new module off the kernels altogether
+    monkeypatch.setenv("KVGRID_CPU_ATTENTION", "torch")
+    plain = RMSNorm(64, 1e-6)
+    out, _ = plain(torch.randn(4, 64))
+    assert plain._lib is False

@@ -108,10 +108,19 @@ class Node:
             # process of the node (--kill-child): a crashed run leaves no cluster behind either.
             argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL", "sh", "-c", script]
             self.unshare = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        wait_for(lambda: (self.tmp / ".node-ready").exists(), 30, f"the namespace of node {ip}")
+        wait_for(self._ready, 60, f"the namespace of node {ip}")
         [init] = psutil.Process(self.unshare.pid).children()
         self.init_pid = init.pid
         self.namespace = pid_namespace(self.init_pid)
+
+    def _ready(self) -> bool:
+        """Whether the node's init runs; an AssertionError with its log if its namespace could not be made."""
+        if (self.tmp / ".node-ready").exists():
+            return True
+        if self.unshare.poll() is not None:
+            log = (self.tmp.parent / "namespace.log").read_text(errors="replace")
+            raise AssertionError(f"the namespace of node {self.ip} ended ({self.unshare.returncode}): {log}")
+        return False
 
     def processes(self) -> list[psutil.Process]:
         """Every process of this node except its init."""

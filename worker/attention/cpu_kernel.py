@@ -1,10 +1,12 @@
-"""The CPU paged decode kernel (``cpu_decode.c``): built once per machine with the system's C compiler, loaded
+"""The CPU kernels: paged decode attention (``cpu_decode.c``) and the residual add fused with RMSNorm
+(``worker/layers/cpu_norm.c``), built into one library once per machine with the system's C compiler, loaded
 through ctypes.
 
 The build is cached under ``$KVGRID_KERNEL_CACHE`` (default ``~/.cache/kvgrid/kernels``), keyed by the source,
 the flags, the compiler and the CPU's feature flags (it is compiled for the CPU it runs on, ``-march=native``).
-Without a compiler, or when the build fails, ``load`` returns None and attention stays on the torch path.
-``KVGRID_CPU_ATTENTION=auto|native|torch``: ``native`` makes a missing kernel an error, ``torch`` never uses it.
+Without a compiler, or when the build fails, ``load`` returns None and attention and norms stay on the torch path.
+``KVGRID_CPU_ATTENTION=auto|native|torch``: ``native`` makes a missing library an error, ``torch`` never uses it
+(neither kernel).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 log = logging.getLogger("kvgrid.worker")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).parents[1] / "layers" / "cpu_norm.c")
 # No -ffast-math: linked into a shared library it would switch the whole process to flush-to-zero on load. These
 # let the compiler vectorize the float sums (reassociation) without touching torch's numerics.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
@@ -64,7 +66,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    parts = [*(source.read_text() for source in SOURCES), *FLAGS, version, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_decode-{key}.so"
     if out.exists():
         return out
@@ -74,7 +77,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             check=True,
@@ -108,6 +111,9 @@ def load() -> ctypes.CDLL | None:
                 ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # n, heads, kv, dim, block
                 ctypes.c_float, ctypes.c_int,  # scale, dtype
             ]  # fmt: skip
+            norm = lib.kvgrid_add_rms_norm
+            norm.restype = None
+            norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
             _lib = lib
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or ""
@@ -154,3 +160,33 @@ def paged_decode(
     if rc != 0:
         raise RuntimeError(f"the CPU decode kernel failed ({rc}) for heads={heads}, kv_heads={k_cache.shape[2]}")
     return out
+
+
+def add_rms_norm(
+    lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(h) * weight, h)`` with ``h = x + residual`` (or ``x``) for float32 rows [n, dim] on the CPU;
+    the caller checks ``supports_norm``."""
+    x = x.contiguous()
+    rows, dim = x.shape
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32)
+    lib.kvgrid_add_rms_norm(
+        x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(), weight.data_ptr(),
+        out.data_ptr(), h.data_ptr(), rows, dim, eps,
+    )  # fmt: skip
+    return out, h
+
+
+def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm`` takes these: 2-D float32 CPU rows, a float32 weight of their width, a residual of
+    their shape and dtype."""
+    return (
+        x.dtype is torch.float32
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and weight.dtype is torch.float32
+        and weight.shape[0] == x.shape[1]
+        and weight.is_contiguous()
+        and (residual is None or (residual.dtype is torch.float32 and residual.shape == x.shape))
+    )
