@@ -167,12 +167,14 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(h) * weight, h)`` with ``h = x + residual`` (or ``x``) for float32 rows [n, dim] on the CPU;
     the caller checks ``supports_norm``."""
+    # Bound to names: a contiguous copy made inside the call's arguments would be freed before C reads it.
     x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=torch.float32)
     h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32)
     lib.kvgrid_add_rms_norm(
-        x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(), weight.data_ptr(),
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
         out.data_ptr(), h.data_ptr(), rows, dim, eps,
     )  # fmt: skip
     return out, h
