@@ -27,6 +27,7 @@ import re
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -598,27 +599,14 @@ def _tier_hits(server: Server) -> float:
     return sum(admin_gauge(server, f"kvgrid_group_{t}_hit_blocks") for t in ("host", "disk"))
 
 
-def test_no_timing_channel_between_tenants(server, vocab):
-    """acme caches N prompts. Then, interleaved in random order: globex sends each of them once (probe), globex
-    sends N fresh prompts of the same length, acme re-sends each of them (its own hits) and acme sends N fresh
-    prompts. globex's probe and fresh TTFTs must be indistinguishable (KS p > 0.01), while acme's hits and misses
-    must be clearly different (KS p < 0.001): the measurement could see a hit if globex got one."""
-    rng = random.Random(20240611)
-    starts: set[tuple[int, int]] = set()
-
-    def prompt() -> list[int]:
-        while True:  # distinct from the first two tokens on: no two prompts share even a first block
-            p = [rng.randrange(5, vocab) for _ in range(TIMING_LEN)]
-            if (p[0], p[1]) not in starts:
-                starts.add((p[0], p[1]))
-                return p
-
+def _timing_round(
+    server: Server, acme: openai.OpenAI, globex: openai.OpenAI, prompt: Callable[[], list[int]], rng: random.Random
+) -> dict:
+    """One measurement: acme caches N prompts; then, interleaved in random order, globex sends each of them once
+    (probe), globex sends N fresh prompts of the same length, acme re-sends each of them (its own hits) and acme
+    sends N fresh prompts. Returns the two KS tests and a summary."""
     acme_cached = [prompt() for _ in range(TIMING_N)]
-    acme, globex = oa(server), oa(server, "globex", GLOBEX_KEY)
     loaded_before = _tier_hits(server)
-    for _ in range(10):  # warm both tenants' paths up (not measured)
-        _ttft(acme, prompt())
-        _ttft(globex, prompt())
     for p in acme_cached:
         assert _ttft(acme, p)[1] == 0
     tasks = (
@@ -649,7 +637,7 @@ def test_no_timing_channel_between_tenants(server, vocab):
         f"p90 {sorted(v)[len(v) * 9 // 10] * 1e3:.1f}"
         for k, v in times.items()
     }
-    report = {
+    return {
         "globex probe vs fresh": {"D": round(d_g, 4), "p": p_g},
         "acme hit vs fresh": {"D": round(d_a, 4), "p": p_a},
         "ttft": summary,
@@ -657,9 +645,40 @@ def test_no_timing_channel_between_tenants(server, vocab):
         "tier_blocks": tiers,
         "blocks_loaded_from_tiers": loaded,
     }
-    print("timing:", json.dumps(report, indent=1))
-    assert p_a < 1e-3, f"the measurement cannot see acme's own hits: {report}"
-    assert p_g > 0.01, f"globex's TTFT depends on acme's cache: {report}"
+
+
+def test_no_timing_channel_between_tenants(server, vocab):
+    """globex's TTFTs for prompts acme has cached and for fresh ones must be indistinguishable (KS p > 0.01), while
+    acme's own hits and misses must be clearly different (KS p < 0.001): the measurement could see a hit if globex
+    got one (see _timing_round).
+
+    Where no channel exists the KS p-value is uniform, so a single round fails 1 run in 100 by chance alone (more
+    on a VM whose speed drifts). A round that fails is therefore measured again on new prompts (globex's probes
+    have by then cached the first round's prompts under its own salt): the test fails only if both independent
+    rounds do. A real channel that the measurement can see (acme's hits show it can) fails both."""
+    rng = random.Random(20240611)
+    starts: set[tuple[int, int]] = set()
+
+    def prompt() -> list[int]:
+        while True:  # distinct from the first two tokens on: no two prompts share even a first block
+            p = [rng.randrange(5, vocab) for _ in range(TIMING_LEN)]
+            if (p[0], p[1]) not in starts:
+                starts.add((p[0], p[1]))
+                return p
+
+    acme, globex = oa(server), oa(server, "globex", GLOBEX_KEY)
+    for _ in range(10):  # warm both tenants' paths up (not measured)
+        _ttft(acme, prompt())
+        _ttft(globex, prompt())
+    reports = []
+    for _ in range(2):
+        report = _timing_round(server, acme, globex, prompt, rng)
+        reports.append(report)
+        print("timing:", json.dumps(report, indent=1))
+        assert report["acme hit vs fresh"]["p"] < 1e-3, f"the measurement cannot see acme's own hits: {report}"
+        if report["globex probe vs fresh"]["p"] > 0.01:
+            break
+    assert reports[-1]["globex probe vs fresh"]["p"] > 0.01, f"globex's TTFT depends on acme's cache: {reports}"
 
 
 # -- 5. logs (last: covers everything sent above) ------------------------------------------------------------
