@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -204,6 +205,81 @@ def test_bad_flags_exit_2_naming_the_flag_before_any_request(capsys, flags, name
 def test_an_unreachable_server_exits_2_naming_base_url(capsys):
     assert cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 2
     assert "--base-url" in capsys.readouterr().err
+
+
+# -- send: one streamed request over HTTP ------------------------------------------------------------------------
+
+
+def _send_to(handler) -> Result:
+    """``loadgen.send`` against a real HTTP server on 127.0.0.1 whose one route is ``handler``."""
+    from aiohttp import ClientSession, web
+
+    async def go() -> Result:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with ClientSession() as session:
+                return await loadgen.send(session, f"http://127.0.0.1:{port}/v1/completions", {"prompt": [1]})
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def _sse(*events: dict | str) -> list[bytes]:
+    return [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events]
+
+
+def _streaming(pieces: list[bytes]):
+    """A handler that answers with ``pieces``, each one write."""
+    from aiohttp import web
+
+    async def handler(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in pieces:
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+def test_send_reads_text_chunks_and_usage_however_the_stream_is_cut():
+    long = "x" * 3_000_000  # one event longer than aiohttp's own line reader takes (it raises LineTooLong)
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}
+    body = b"".join(
+        _sse({"choices": [{"text": "a"}]}, {"choices": [{"text": long}]}, {"choices": [{"text": "b"}]})
+        + _sse({"choices": [], "usage": usage}, "[DONE]")
+    )
+    # the body cut at odd places: inside "data:", inside the long event, between the two newlines of an event
+    cuts = [3, 40, 70_000, 150_000, len(body) - 9, len(body) - 1]
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    res = _send_to(_streaming(pieces))
+    assert res.error is None and res.text == "a" + long + "b"
+    assert len(res.chunk_times) == 3 and res.start < res.chunk_times[0] <= res.chunk_times[-1] <= res.end
+    assert (res.prompt_tokens, res.output_tokens, res.cached_tokens) == (5, 3, 2)
+
+
+def test_send_records_an_http_error_and_a_stream_error():
+    from aiohttp import web
+
+    async def refuse(request):
+        return web.json_response({"error": {"message": "slow down"}}, status=429)
+
+    res = _send_to(refuse)
+    assert res.error is not None and res.error.startswith("HTTP 429") and "slow down" in res.error
+
+    failing = _sse({"choices": [{"text": "a"}]}, {"error": {"message": "group failed"}})
+    res = _send_to(_streaming(failing))
+    assert res.error is not None and res.error.startswith("stream error") and "group failed" in res.error
+
+    res = _send_to(_streaming([b"data: {not json\n\n"]))
+    assert res.error is not None and res.error.startswith("JSONDecodeError")
 
 
 # -- against a real kvgrid serve ---------------------------------------------------------------------------------
