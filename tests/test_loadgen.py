@@ -263,6 +263,9 @@ def test_send_reads_text_chunks_and_usage_however_the_stream_is_cut():
     assert res.error is None and res.text == "a" + long + "b"
     assert len(res.chunk_times) == 3 and res.start < res.chunk_times[0] <= res.chunk_times[-1] <= res.end
     assert (res.prompt_tokens, res.output_tokens, res.cached_tokens) == (5, 3, 2)
+    # a server that puts no usage in its streams: the output tokens are counted as the text chunks
+    res = _send_to(_streaming(_sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, "[DONE]")))
+    assert res.error is None and res.text == "ab" and res.output_tokens == 2 and res.prompt_tokens == 0
 
 
 def test_send_records_an_http_error_and_a_stream_error():

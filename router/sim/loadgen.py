@@ -261,6 +261,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
         return res
     res.end = time.perf_counter()
     res.text = "".join(parts)
+    if not res.output_tokens:  # a server without usage in streams: count the text chunks
+        res.output_tokens = len(res.chunk_times)
     return res
 
 
