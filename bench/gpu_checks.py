@@ -5,13 +5,15 @@
 
 1. ``bench/attention.py``: the Triton paged-attention kernels against torch's SDPA (issue 3's targets), as it
    prints them;
-2. ``kvgrid bench engine --device cuda`` with decode in CUDA graphs and with ``--no-cuda-graphs`` (eager), on the
-   demo model: TTFT cold and over a cached prefix, decode tokens/s per batch, the closed loop per stream count;
+2. ``kvgrid bench engine --device cuda`` (``worker.bench.run``) with decode in CUDA graphs and with
+   ``--no-cuda-graphs`` (eager), on the demo model, batches 1/8/32/128: TTFT cold and over a cached prefix,
+   decode tokens/s per batch, the closed loop per stream count;
 3. one markdown table of (2), graphs against eager, and the machine (GPU, torch, Triton), printed and written with
    every raw output into ``--out`` (default ``$OUT`` where set, else ``gpu-checks/``).
 
-It needs only what kvgrid's engine imports (torch, Triton, safetensors, tokenizers, xxhash): no Ray, Redis or
-HTTP server, so it runs on a GPU machine's stock PyTorch image as it is.
+It needs only what kvgrid's engine imports (torch, Triton, safetensors, tokenizers, xxhash, and PyYAML through
+huggingface_hub): no Ray, Redis, pydantic or HTTP server, so it runs on a GPU machine's stock PyTorch image as it
+is.
 """
 
 from __future__ import annotations
@@ -31,14 +33,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(cmd: list[str], env: dict[str, str], log: Path) -> str:
     """``cmd`` from the repository's root; its output, also written to ``log``. A failure stops the checks with
     the command's output tail."""
-    print("+", " ".join(cmd), flush=True)
+    print("+", " ".join(cmd[:2] + ["..."] + cmd[3:] if cmd[1] == "-c" else cmd), flush=True)
     start = time.monotonic()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     log.write_text(out.stdout + ("\n--- stderr ---\n" + out.stderr if out.stderr else ""))
     if out.returncode != 0:
-        raise SystemExit(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{log.name}: the command failed ({out.returncode}):\n{out.stderr[-3000:]}")
     print(f"  done in {time.monotonic() - start:.0f} s", flush=True)
     return out.stdout
+
+
+def engine_cmd(**kwargs: Any) -> list[str]:
+    """``kvgrid bench engine --json`` as ``worker.bench.run(**kwargs)``: the same benchmark and JSON without the
+    CLI, whose parser imports the gateway's pydantic models (not on a stock PyTorch image)."""
+    code = "import json, sys; from worker.bench import run; run(as_json=True, **json.loads(sys.argv[1]))"
+    return [sys.executable, "-c", code, json.dumps(kwargs)]
 
 
 def engine_table(graphs: dict[str, Any], eager: dict[str, Any]) -> str:
@@ -97,20 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"
         device, attention = "cpu", [sys.executable, "bench/attention.py", "--quick", "--dtype", "float16"]
-        engine = ["--prompt-len", "64", "--cached", "48", "--batch", "1", "2", "--decode-steps", "4"]
-        engine += ["--repeats", "1"]
+        engine: dict[str, Any] = {"prompt_len": 64, "cached": 48, "batches": [1, 2], "decode_steps": 4, "repeats": 1}
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run this on a GPU machine (or --smoke on CPU to check the script)", file=sys.stderr)
             return 2
         device, attention = "cuda", [sys.executable, "bench/attention.py"]
-        engine = ["--batch", "1", "8", "32", "128"]
+        engine = {"batches": [1, 8, 32, 128]}
 
     print(f"machine: {machine()}", flush=True)
     attention_out = run(attention, env, out / "attention.txt")
-    bench = [sys.executable, "-m", "router.cli", "bench", "engine", "--device", device, "--json", *engine]
-    graphs = json.loads(run(bench, env, out / "engine_graphs.json"))
-    eager = json.loads(run([*bench, "--no-cuda-graphs"], env, out / "engine_eager.json"))
+    graphs = json.loads(run(engine_cmd(device=device, **engine), env, out / "engine_graphs.json"))
+    eager = json.loads(run(engine_cmd(device=device, cuda_graphs=False, **engine), env, out / "engine_eager.json"))
     table = engine_table(graphs, eager)
     report = (
         f"machine: {machine()}\n\n## bench/attention.py\n\n```\n{attention_out.strip()}\n```\n\n## engine\n\n{table}\n"

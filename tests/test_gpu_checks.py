@@ -1,6 +1,7 @@
 """bench/gpu_checks.py, the serving-speed issue's GPU checks in one run: what can be checked without a GPU (its
 refusal on a CPU machine, and its table over real `kvgrid bench engine` output). `--smoke` runs every step on the
-CPU in about 2.5 minutes, too long for the suite: run it by hand after changing the script."""
+CPU (under a minute on an idle 2-core machine, with Triton's interpreter): run it by hand after changing the
+script."""
 
 from __future__ import annotations
 
