@@ -114,14 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         device, attention = "cuda", [sys.executable, "bench/attention.py"]
         engine = {"batches": [1, 8, 32, 128]}
 
-    print(f"machine: {machine()}", flush=True)
+    host = machine()
+    print(f"machine: {host}", flush=True)
     attention_out = run(attention, env, out / "attention.txt")
     graphs = json.loads(run(engine_cmd(device=device, **engine), env, out / "engine_graphs.json"))
     eager = json.loads(run(engine_cmd(device=device, cuda_graphs=False, **engine), env, out / "engine_eager.json"))
     table = engine_table(graphs, eager)
-    report = (
-        f"machine: {machine()}\n\n## bench/attention.py\n\n```\n{attention_out.strip()}\n```\n\n## engine\n\n{table}\n"
-    )
+    report = f"machine: {host}\n\n## bench/attention.py\n\n```\n{attention_out.strip()}\n```\n\n## engine\n\n{table}\n"
     (out / "gpu_checks.md").write_text(report)
     print("\n" + report)
     print(f"written to {out}")

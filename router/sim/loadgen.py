@@ -256,7 +256,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                     res.prompt_tokens = usage.get("prompt_tokens") or 0
                     res.output_tokens = usage.get("completion_tokens") or 0
                     res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a JSON error, a bad chunk
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON
         res.error = f"{type(exc).__name__}: {exc}"[:200]
         return res
     res.end = time.perf_counter()
@@ -269,13 +269,19 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     """The body's lines as they arrive, of any length (aiohttp's own line reader raises ``LineTooLong`` past its
     buffer's high-water mark)."""
-    rest = b""
+    pending: list[bytes] = []  # the unfinished line's pieces: joined once, when its newline comes
     async for piece in content.iter_any():
-        *lines, rest = (rest + piece).split(b"\n")
+        if b"\n" not in piece:
+            pending.append(piece)
+            continue
+        first, *lines, last = piece.split(b"\n")
+        pending.append(first)
+        yield b"".join(pending)
         for line in lines:
             yield line
-    if rest:
-        yield rest
+        pending = [last]
+    if any(pending):
+        yield b"".join(pending)
 
 
 @dataclass
