@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,10 +29,40 @@ SYSTEM = (
 )
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range is 32768-60999
+
+
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing uses now, taken between Ray's worker ports (10002-19999) and the kernel's ephemeral
+    range. A port in that range (what binding port 0 gives) can become, between this check and the server's
+    bind, the local end of any outgoing connection (a server start opens hundreds: Ray, Redis), and a listening
+    socket cannot bind a port a connection uses: the server then fails with EADDRINUSE (seen once in CI, on a
+    restart that kept its port). Each port is handed out once per test process."""
+    low = _ephemeral_low()
+    if low - 20000 < 1000:  # an unusual ephemeral range: take what the kernel gives
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, low)
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as used
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
 
 
 class RedisServer:

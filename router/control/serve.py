@@ -76,7 +76,7 @@ def run(
 ) -> int:
     from common.hashing import new_secret
     from router.control.supervisor import Supervisor
-    from router.gateway.server import check_port_free
+    from router.gateway.server import reserve_port
     from router.routing.service import RouterService
     from worker.group import GroupConfig, init_local_ray
     from worker.models.demo_model import resolve_model
@@ -84,10 +84,15 @@ def run(
     cfg: ServeConfig = load_config(config_path)
     if address and not redis_url:
         raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
-    check_port_free(cfg.http.host, cfg.http.port)  # before any group loads its model (this node only)
-    model_path = str(resolve_model(cfg.model))
-    secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
-    url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
+    # Checked before any group loads its model, and held until this node's gateway replicas bind it.
+    port_hold = reserve_port(cfg.http.host, cfg.http.port)
+    try:
+        model_path = str(resolve_model(cfg.model))
+        secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
+        url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
+    except BaseException:
+        port_hold.close()
+        raise
     supervisor: SupervisorHandle | None = None
     try:
         init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
@@ -134,6 +139,7 @@ def run(
         # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
         ray.get(supervisor.scale.remote(cfg.groups))  # type: ignore[attr-defined]
         _start_gateways(cfg, model_path, routers, url, supervisor if cfg.admin_keys else None)
+        port_hold.close()
         _print_banner(cfg, redis_url)
         print("ready", flush=True)
         stop = stop or threading.Event()
@@ -145,6 +151,7 @@ def run(
         print("shutting down", flush=True)
         return 0
     finally:
+        port_hold.close()
         _shutdown(supervisor, embedded)
 
 
@@ -208,7 +215,31 @@ def _start_gateways(
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         ray_actor_options=front,
     ).bind(public, keys, model_path, routers, url, supervisor)
-    serve.run(app, name="kvgrid", route_prefix=None, blocking=False)
+    run_app(app, "kvgrid")
+
+
+def run_app(app, name: str) -> None:
+    """``serve.run`` without waiting for traffic; when the application fails to deploy, the error says why (Serve's
+    own says only which deployments failed; the reason, e.g. a replica constructor's exception, is in its
+    status)."""
+    from ray import serve
+
+    try:
+        serve.run(app, name=name, route_prefix=None, blocking=False)
+    except RuntimeError as exc:
+        raise RuntimeError(f"the Serve application {name!r} did not start: {_deploy_failure(name)}") from exc
+
+
+def _deploy_failure(name: str) -> str:
+    """What Serve's status says of the application's failed deployments."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications[name]
+        failed = [f"{d}: {s.message}" for d, s in status.deployments.items() if s.status != "HEALTHY" and s.message]
+        return "\n".join(failed) or status.message or "Serve gave no reason"
+    except Exception as exc:  # noqa: BLE001 - the status only adds to the message
+        return f"Serve gave no reason ({exc!r} reading its status)"
 
 
 def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:

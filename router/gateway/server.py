@@ -66,6 +66,25 @@ def check_port_free(host: str, port: int) -> None:
     listen(host, port, backlog=1, shared=False).close()
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """``check_port_free``, then a socket bound to ``host:port`` that does not listen, to hold until the gateway
+    replicas of this node have bound the port. While a server starts, Ray and Redis open hundreds of outgoing
+    connections; one whose kernel-chosen local port is ``port`` (any port of the ephemeral range, 32768-60999 on
+    Linux, can be chosen) would make every replica's bind fail with EADDRINUSE. The kernel never picks a bound
+    port for a connection, and the replicas share it (SO_REUSEPORT; only listening sockets get connections)."""
+    check_port_free(host, port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
