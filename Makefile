@@ -35,7 +35,7 @@ system-tools:
 		echo "no C compiler could be installed: the CPU decode kernel's tests will be skipped"
 
 test: install lint system-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The quick loop: every test but the slow ones (Ray, kvgrid serve, anything over a few seconds). CI runs `make test`.
 test-fast: install
