@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import anthropic
@@ -246,7 +247,10 @@ def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
 
 
 @pytest.mark.restarts_server
-def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, redis_url):
+def test_a_restart_keeps_usage_cached_contents_and_the_kv_blocks_on_disk(server, redis_url):
+    """Stop the server and start it again with the same Redis, KVGRID_SECRET and disk tier: the usage and cached
+    contents in Redis are kept, and a prompt computed before the restart is read from the disk tier after it
+    (issue 15's restart target): cached tokens, the same greedy output, none of it for another tenant."""
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     r = httpx.post(
         f"{server.base}/acme/v1/cachedContents",
@@ -255,16 +259,31 @@ def test_restart_against_the_same_redis_keeps_usage_and_cached_content(server, r
         json={"contents": [{"parts": [{"text": "kept across restarts " * 8}]}], "ttl": "600s"},
     )
     cid = r.json()["name"].removeprefix("cachedContents/")
-    chat(oa(server), "One more question")
+    rng = random.Random(5)
+    system = " ".join(rng.choice(TIER_WORDS) for _ in range(300))  # text no other test sends
+    first = chat(oa(server), "What comes first?", system=system, max_tokens=16)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
     before = _written_usage(redis_url)
     assert before["requests"] > 0 and before["prompt_tokens"] > 0
-    server.stop()
+    disk = server.config.parent / "kv"  # harness.SHARED_BODY's disk_path
+    server.stop()  # the groups write their pools down to the disk tier
+    assert any(disk.rglob("*")), "nothing was written to the disk tier"
     server.start()
     after = _written_usage(redis_url)
     assert after == before
     assert httpx.get(f"{server.base}/acme/v1/cachedContents/{cid}", headers=acme).status_code == 200
-    chat(oa(server), "And another")
+    again = chat(oa(server), "What comes first?", system=system, max_tokens=16)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16  # every full block
+    assert again.choices[0].message.content == first.choices[0].message.content
     assert _written_usage(redis_url)["requests"] == before["requests"] + 1
+    # The blocks on disk are acme's: globex (explicit, so it reports every reused token) reuses none of them.
+    other = an(server).messages.create(
+        model="demo", max_tokens=4, system=system, messages=[{"role": "user", "content": "What comes first?"}]
+    )
+    assert other.usage.cache_read_input_tokens == 0 and other.usage.cache_creation_input_tokens == 0
+
+
+TIER_WORDS = "granite orchard silver canyon pepper violet harbor thunder maple lantern ribbon cobalt".split()
 
 
 def _written_usage(redis_url: str) -> dict[str, int]:
