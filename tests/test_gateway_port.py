@@ -1,6 +1,6 @@
 """How `kvgrid serve` takes its HTTP port: it refuses a port something listens on, holds the port from that check
 until its gateway replicas have bound it (so no outgoing connection of the starting server can take it as its
-local port), and a gateway deployment that fails says why."""
+local port). That a failed gateway deployment says why: tests/test_frontend_placement.py."""
 
 from __future__ import annotations
 
@@ -49,24 +49,3 @@ def test_a_held_port_is_taken_by_nothing_else_but_the_gateway_replicas():
     finally:
         hold.close()
     _plain_bind(port)  # released
-
-
-def test_a_gateway_deployment_that_fails_says_why(ray_local):
-    from ray import serve
-
-    from router.control.serve import run_app
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
-    class Broken:
-        def __init__(self) -> None:
-            raise ValueError("tokenizer folder /nowhere is missing")
-
-    serve.start(proxy_location="Disabled")
-    try:
-        with pytest.raises(RuntimeError) as exc:
-            run_app(Broken.bind(), "broken")
-        text = str(exc.value)
-        assert "'broken' did not start" in text
-        assert "tokenizer folder /nowhere is missing" in text  # the constructor's own error, from Serve's status
-    finally:
-        serve.shutdown()

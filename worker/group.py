@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import socket
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -616,17 +617,20 @@ class WorkerGroup:
         cfg = self.config
         accel = cfg.accelerator or ("GPU" if cfg.use_gpu else None)
         per_rank = {"CPU": 1, accel: 1} if accel else {"CPU": 1}
-        node = self._target_node(accel or "CPU")
-        # Detached (like the ranks): the group outlives a crash of the supervisor that started it, which
-        # adopts it again by name when Ray restarts it. ``shutdown()`` and ``remove_all()`` free them.
-        pg = self._pg = placement_group(
-            [per_rank] * cfg.tp,
-            strategy="STRICT_PACK",
-            name=pg_name(cfg.name),
-            bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
-            lifetime="detached",
-        )
-        ray.get(pg.ready(), timeout=cfg.start_timeout_s)
+        # Groups start in parallel (Supervisor.scale); each picks its node from the placement groups already
+        # placed, so one picks and is placed at a time: two would otherwise pick the same emptiest node.
+        with _PLACING:
+            node = self._target_node(accel or "CPU")
+            # Detached (like the ranks): the group outlives a crash of the supervisor that started it, which
+            # adopts it again by name when Ray restarts it. ``shutdown()`` and ``remove_all()`` free them.
+            pg = self._pg = placement_group(
+                [per_rank] * cfg.tp,
+                strategy="STRICT_PACK",
+                name=pg_name(cfg.name),
+                bundle_label_selector=[{"ray.io/node-id": node}] * cfg.tp,
+                lifetime="detached",
+            )
+            ray.get(pg.ready(), timeout=cfg.start_timeout_s)
         actor = ray.remote(RankActor)
         self.ranks = [
             actor.options(
@@ -806,6 +810,7 @@ def rank_name(group: str, rank: int) -> str:
     return f"kvgrid-{group}-rank{rank}"
 
 
+_PLACING = threading.Lock()  # WorkerGroup._start: one group chooses its node and is placed at a time
 _RANK_NAME = re.compile(r"kvgrid-.+-rank[0-9]+")
 RAY_NAMESPACE = "kvgrid"  # where the named (detached) group actors live, so a restarted supervisor finds them
 

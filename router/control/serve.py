@@ -137,7 +137,13 @@ def run(
             .remote(template, routers, url, max_groups=cfg.group_limit)
         )
         # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
-        ray.get(supervisor.scale.remote(cfg.groups))  # type: ignore[attr-defined]
+        scaling = supervisor.scale.remote(cfg.groups)  # type: ignore[attr-defined]
+        from ray import serve
+
+        # Serve's controller starts while the groups do. Every gateway replica serves http.port itself
+        # (router/gateway/server.py): Serve places and restarts them, its proxy stays off.
+        serve.start(proxy_location="Disabled")
+        ray.get(scaling)  # the gateways start after the groups: nothing answers on http.port before they serve
         _start_gateways(cfg, model_path, routers, url, supervisor if cfg.admin_keys else None)
         port_hold.close()
         _print_banner(cfg, redis_url)
@@ -193,17 +199,13 @@ def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool
 def _start_gateways(
     cfg: ServeConfig, model_path: str, routers: list[RouterHandle], url: str, supervisor: SupervisorHandle | None
 ) -> None:
-    """The ``kvgrid-gateway`` deployment; with ``supervisor`` (the config has admin keys) each replica also
-    serves the admin API."""
-    from ray import serve
-
+    """The ``kvgrid-gateway`` deployment (Serve is started); with ``supervisor`` (the config has admin keys) each
+    replica also serves the admin API."""
     from router.gateway.server import GRACEFUL_SHUTDOWN_S, GatewayReplica
     from router.gateway.store import KeyRing
 
     front = frontend_actor_options()
-    # Every gateway replica serves http.port itself (router/gateway/server.py): Serve places and restarts
-    # them, its proxy stays off. Replicas get only key hashes, never the keys.
-    serve.start(proxy_location="Disabled")
+    # Replicas get only key hashes, never the keys.
     keys = KeyRing.from_config(cfg)
     public = cfg.model_copy(
         update={"admin_keys": [], "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants]}

@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.util.placement_group import placement_group_table
@@ -120,12 +121,25 @@ class Supervisor:
                 raise ValueError(
                     f"remove names {len(set(remove))} group(s) but scaling to {groups} removes {max(0, surplus)}"
                 )
-            for _ in range(-surplus):
-                self._add()
+            self._add_many(-surplus)
             victims = list(dict.fromkeys(remove)) + [g for g in reversed(serving) if g not in remove]
             for name in victims[: max(0, surplus)]:
                 self._drain(name, self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
         return self.describe()
+
+    def _add_many(self, n: int) -> None:
+        """Start ``n`` groups at once (a group's start is mostly its ranks' processes starting and loading the
+        model: on 2 cores two groups took 9.4 + 5.2 s one after the other). Each serves as soon as it is healthy;
+        when any fails to start, the others still start, and the first failure is raised."""
+        if n <= 1:
+            if n == 1:
+                self._add()
+            return
+        with ThreadPoolExecutor(n, thread_name_prefix="kvgrid-group-start") as pool:
+            futures = [pool.submit(self._add) for _ in range(n)]
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            raise errors[0]
 
     def _add(self) -> str:
         with self._mu:
