@@ -174,6 +174,12 @@ class HttpConfig(_Strict):
     replicas: int = Field(1, ge=1)  # gateway replicas (Serve spreads them over the frontend nodes)
     # Connections and requests one gateway replica works on at once; past it the replica answers 503 at once.
     max_ongoing_requests: int = Field(1024, ge=1)
+    # How long a replica keeps an idle keep-alive connection open. Longer than the clients' own idle expiry (httpx,
+    # so the OpenAI and Anthropic SDKs: 5 s; aiohttp 15 s), else a client can send on a connection the server is
+    # closing that moment and get a connection error (seen in CI with uvicorn's default of 5 s against httpx's 5 s).
+    # Behind a load balancer: longer than its idle timeout (AWS ALB: 60 s). Idle connections count against
+    # max_ongoing_requests.
+    keep_alive_s: int = Field(20, ge=1)
     docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
 
 

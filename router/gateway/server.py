@@ -105,10 +105,11 @@ class IngressServer:
         port: int,
         limit_concurrency: int,
         on_stop: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        keep_alive_s: int = 20,
     ) -> None:
         self._make_app, self._address, self._on_stop = make_app, (host, port), on_stop
         self._sock: socket.socket | None = None
-        self._limit = limit_concurrency
+        self._limit, self._keep_alive_s = limit_concurrency, keep_alive_s
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -143,6 +144,7 @@ class IngressServer:
             log_level="warning",
             access_log=False,
             limit_concurrency=self._limit,
+            timeout_keep_alive=self._keep_alive_s,
             timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
             http="httptools" if _has("httptools") else "h11",
             ws="none",
@@ -200,7 +202,12 @@ class GatewayReplica:
             return create_app(self.gateway, admin)
 
         self.ingress = IngressServer(
-            make_app, config.http.host, config.http.port, config.http.max_ongoing_requests, on_stop=self._close
+            make_app,
+            config.http.host,
+            config.http.port,
+            config.http.max_ongoing_requests,
+            on_stop=self._close,
+            keep_alive_s=config.http.keep_alive_s,
         )
 
     async def _close(self) -> None:
