@@ -41,8 +41,9 @@ class PortInUse(RuntimeError):
     pass
 
 
-def listen(host: str, port: int, backlog: int = 2048, shared: bool = True) -> socket.socket:
-    """A listening TCP socket on ``host:port``; ``shared`` lets the node's other gateway replicas bind it too."""
+def _socket(host: str, port: int, shared: bool, backlog: int | None) -> socket.socket:
+    """A TCP socket bound to ``host:port``, listening unless ``backlog`` is None; ``shared`` lets the node's other
+    gateway replicas bind it too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -50,7 +51,8 @@ def listen(host: str, port: int, backlog: int = 2048, shared: bool = True) -> so
         if shared:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(backlog)
+        if backlog is not None:
+            sock.listen(backlog)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
@@ -58,6 +60,11 @@ def listen(host: str, port: int, backlog: int = 2048, shared: bool = True) -> so
         raise
     sock.set_inheritable(False)
     return sock
+
+
+def listen(host: str, port: int, backlog: int = 2048, shared: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port``; ``shared`` lets the node's other gateway replicas bind it too."""
+    return _socket(host, port, shared, backlog)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -73,16 +80,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
     Linux, can be chosen) would make every replica's bind fail with EADDRINUSE. The kernel never picks a bound
     port for a connection, and the replicas share it (SO_REUSEPORT; only listening sockets get connections)."""
     check_port_free(host, port)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return _socket(host, port, shared=True, backlog=None)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -105,7 +103,8 @@ class IngressServer:
         port: int,
         limit_concurrency: int,
         on_stop: Callable[[], Coroutine[Any, Any, None]] | None = None,
-        keep_alive_s: int = 20,
+        *,
+        keep_alive_s: int,
     ) -> None:
         self._make_app, self._address, self._on_stop = make_app, (host, port), on_stop
         self._sock: socket.socket | None = None
