@@ -29,14 +29,14 @@ def _demo_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def demo_path(_demo_cache: None):
-    from worker.models.demo_model import resolve_model
+    from worker.models.registry import resolve_model
 
     return resolve_model("demo")
 
 
 @pytest.fixture(scope="session")
 def qwen_path(_demo_cache: None):
-    from worker.models.demo_model import resolve_model
+    from worker.models.registry import resolve_model
 
     return resolve_model("demo:qwen2")
 

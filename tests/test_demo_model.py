@@ -20,7 +20,8 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from worker.models import demo_model
-from worker.models.demo_model import DEMO_VARIANTS, SPECIAL_TOKENS, resolve_model, write_demo_model
+from worker.models.demo_model import DEMO_VARIANTS, SPECIAL_TOKENS, write_demo_model
+from worker.models.registry import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FILES = (

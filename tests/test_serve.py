@@ -14,7 +14,7 @@ import redis
 from common.model_config import load_tokenizer
 from harness import ACME_KEY, GLOBEX_KEY, SYSTEM, an, chat, oa
 from router.gateway.store import read_usage
-from worker.models.demo_model import resolve_model
+from worker.models.registry import resolve_model
 
 
 @pytest.fixture()

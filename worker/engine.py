@@ -31,7 +31,7 @@ from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
 from worker.layers.linear import force_float32_path, pack_linear_weights, pick_float32_path
 from worker.model_runner import ModelRunner
-from worker.models.demo_model import resolve_model
+from worker.models.registry import resolve_model
 from worker.output_processor import OutputProcessor
 from worker.sampler import Sampler, SampleResult
 from worker.scheduler import Scheduler

@@ -365,7 +365,7 @@ def default_vocab(model: str) -> int | None:
     """The vocabulary size of ``model`` where its name leads to a local model folder (vLLM names a model by the
     path it was given; ``demo`` is kvgrid's demo model), else None."""
     if model == "demo" or model.startswith("demo:"):
-        from worker.models.demo_model import resolve_model
+        from worker.models.registry import resolve_model
 
         folder = resolve_model(model)
     else:

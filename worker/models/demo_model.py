@@ -2,8 +2,8 @@
 
 ``write_demo_model`` writes a complete model folder (config, generation config, safetensors weights, a byte-level BPE
 tokenizer with a ChatML chat template) in the classic layout that transformers 4.x/5.x and vLLM read unchanged.
-``resolve_model`` maps the names ``demo`` / ``demo:<variant>`` to a cached copy of such a folder, and anything else to
-an existing model folder.
+``cached_demo_model`` keeps a copy in kvgrid's model cache, which ``registry.resolve_model`` maps the names
+``demo`` / ``demo:<variant>`` to.
 
 The weights are random but "peaky": greedy next-token logits usually have a clear winner (median top-1/top-2 gap about
 1.5), so two correct implementations that differ only in float rounding pick the same tokens. Being random, the model
@@ -20,8 +20,6 @@ import functools
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from worker.models.cache import build_atomically, cache_root
 from worker.models.demo_corpus import demo_corpus
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -352,53 +351,16 @@ def write_demo_model(out_dir: str | os.PathLike[str], variant: str = "llama", se
     return out
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("KVGRID_CACHE") or Path.home() / ".cache" / "kvgrid").expanduser()
+def demo_variant(model: str) -> str:
+    """The variant a demo model name (``demo``, ``demo:<variant>``) names; ValueError for an unknown one."""
+    variant = "llama" if model == "demo" else model.removeprefix("demo:")
+    _spec(variant)
+    return variant
 
 
-def _cached_demo(variant: str) -> Path:
-    target = _cache_root() / f"demo-{variant}-v{_FORMAT_VERSION}"
-    # A folder at ``target`` is always complete: it only ever appears there by an atomic rename.
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    renamed = False
-    try:
-        write_demo_model(tmp, variant)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared by the user's processes
-        try:
-            os.rename(tmp, target)
-            renamed = True
-        except OSError:
-            # A concurrent builder won the race; its files are byte-identical to ours.
-            if not target.is_dir():
-                raise
-    finally:
-        if not renamed:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def resolve_model(model: str) -> Path:
-    """Return the model folder for ``model``.
-
-    ``"demo"`` (or ``"demo:llama"``) and ``"demo:qwen2"`` name demo models, built on first use under
-    ``$KVGRID_CACHE`` (default ``~/.cache/kvgrid``) and reused afterwards; concurrent callers are safe. Anything
-    else must be a path to a Hugging Face model folder containing config.json. Raises ValueError for an unknown
-    demo variant or an empty name, FileNotFoundError when the path is not a model folder.
-    """
-    if not model:
-        raise ValueError("model name is empty; use 'demo', 'demo:<variant>' or a path to a model folder")
-    if model == "demo" or model.startswith("demo:"):
-        variant = "llama" if model == "demo" else model.removeprefix("demo:")
-        _spec(variant)
-        return _cached_demo(variant)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {model!r} is not a directory; use 'demo', 'demo:<variant>' or a path to a Hugging Face model folder"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
-    return path
+def cached_demo_model(variant: str) -> Path:
+    """The demo model folder of ``variant`` in kvgrid's model cache, built on first use; concurrent callers are
+    safe (``registry.resolve_model`` maps the names to it)."""
+    return build_atomically(
+        cache_root() / f"demo-{variant}-v{_FORMAT_VERSION}", lambda tmp: write_demo_model(tmp, variant)
+    )
