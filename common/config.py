@@ -212,6 +212,8 @@ class RoutingConfig(_Strict):
 
 class ServeConfig(_Strict):
     model: str = "demo"
+    # The model name clients send and GET /v1/models reports (default: ``model_id``'s, from ``model``).
+    served_model_name: str | None = Field(None, max_length=256)
     block_size: int = Field(16, ge=1)
     groups: int = Field(1, ge=1)
     tensor_parallel: int = Field(1, ge=1)
@@ -250,6 +252,13 @@ class ServeConfig(_Strict):
             raise ValueError("every admin key must have at least 16 characters")
         return v
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError("must be a name without spaces")
+        return v
+
     @field_validator("block_size")
     @classmethod
     def _pow2(cls, v: int) -> int:
@@ -259,7 +268,11 @@ class ServeConfig(_Strict):
 
     @property
     def model_id(self) -> str:
-        """The model name clients send: ``demo``, or the model folder's name."""
+        """The model name clients send: ``served_model_name``, else ``demo`` or what follows the last ``/`` of
+        ``model`` (a folder's name, a Hub id's name: the Gemini API's paths hold the name, and a ``/`` cannot be
+        part of it there)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
         return self.model if self.model == "demo" else self.model.rstrip("/").split("/")[-1]
 
     @model_validator(mode="after")

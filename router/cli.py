@@ -8,9 +8,12 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.logs import configure_logging
+
+if TYPE_CHECKING:
+    from common.config import ServeConfig
 
 DEMO_PREFIX = (
     "You are the support assistant of a company that rents out bicycles in a small harbour town. "
@@ -175,10 +178,104 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return loadgen.run(args)
 
 
+# kvgrid serve's flags (argparse dests) and the config fields they set.
+SERVE_FLAGS = {
+    "model": ("MODEL", ("model",)),
+    "host": ("--host", ("http", "host")),
+    "port": ("--port", ("http", "port")),
+    "groups": ("--groups", ("groups",)),
+    "tensor_parallel": ("--tensor-parallel", ("tensor_parallel",)),
+    "dtype": ("--dtype", ("dtype",)),
+    "served_model_name": ("--served-model-name", ("served_model_name",)),
+}
+DEFAULT_TENANT = "default"  # the one tenant of `kvgrid serve` without --config
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only takes connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str | None]:
+    """``kvgrid serve``'s config: ``--config``'s (or, without it, one tenant ``default`` whose key is --api-key or
+    $KVGRID_API_KEY) with the flags' values over it; and the key generated for ``default`` (on a loopback host
+    without a key given), else None. Raises ConfigError naming the flag or field at fault."""
+    import secrets
+
+    from pydantic import ValidationError
+
+    from common.config import ConfigError, HttpConfig, ServeConfig, load_config
+    from common.errors import validation_message
+
+    given = {dest: getattr(args, dest) for dest in SERVE_FLAGS if getattr(args, dest) is not None}
+    generated = None
+    raw: dict[str, Any]
+    if args.config:
+        if args.api_key:
+            raise ConfigError("--api-key is for serving without --config (the config's tenants have their api_keys)")
+        cfg = load_config(args.config)
+        if not given:
+            return cfg, None
+        raw = cfg.model_dump()  # validated again with the flags' values
+    else:
+        if "model" not in given:
+            raise ConfigError("give a model or --config (e.g. kvgrid serve demo)")
+        key, source = args.api_key, "--api-key"
+        if not key:
+            key, source = os.environ.get("KVGRID_API_KEY"), "KVGRID_API_KEY"
+        if not key:
+            host = given.get("host") or HttpConfig().host
+            if not is_loopback(host):
+                raise ConfigError(
+                    f"--host {host} is reachable from other machines: give the API key with --api-key or "
+                    "KVGRID_API_KEY (a key is generated only on a loopback host)"
+                )
+            key = generated = "sk-" + secrets.token_urlsafe(24)
+        elif len(key) < 8:
+            raise ConfigError(f"{source}: an API key must have at least 8 characters")
+        raw = {"tenants": [{"name": DEFAULT_TENANT, "api_keys": [key]}]}
+    for dest, value in given.items():
+        *parents, field = SERVE_FLAGS[dest][1]
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[field] = value
+    try:
+        return ServeConfig.model_validate(raw), generated
+    except ValidationError as exc:
+        loc = tuple(str(p) for p in exc.errors()[0]["loc"])
+        flag = next((SERVE_FLAGS[d][0] for d in given if loc[: len(SERVE_FLAGS[d][1])] == SERVE_FLAGS[d][1]), None)
+        where = flag or args.config or "kvgrid serve"
+        raise ConfigError(f"{where}: {validation_message(exc, 'config', plain=True, count=True)}") from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from router.control import serve
 
-    return serve.run(args.config, address=args.address, redis_url=args.redis)
+    cfg, generated = serve_config_from_args(args)
+    if generated is not None:
+        base = serve.base_url(cfg.http.host, cfg.http.port)
+        print(f"no --api-key or KVGRID_API_KEY given: generated tenant {DEFAULT_TENANT}'s API key for this run:")
+        print(f"  export KVGRID_API_KEY={generated}   # OpenAI base_url {base}/{DEFAULT_TENANT}/v1", flush=True)
+    return serve.run(cfg, address=args.address, redis_url=args.redis)
+
+
+def _cmd_model_path(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from worker.models.registry import resolve_model
+
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the path only: $(kvgrid model-path NAME)
+        path = resolve_model(args.name)
+    print(path)
+    return 0
 
 
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
@@ -243,7 +340,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         from common.config import PricesConfig
         from common.model_config import load_tokenizer
         from router.gateway.economics import Prices
-        from worker.models.demo_model import resolve_model
+        from worker.models.registry import resolve_model
 
         tokenizer = load_tokenizer(resolve_model(args.model))
         prices = Prices.from_config(PricesConfig(preset=args.prices) if args.prices else None)
@@ -306,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_model(sub)
     _add_generate(sub)
     _add_serve(sub)
+    _add_model_path(sub)
     _add_scale_and_groups(sub)
     _add_advise(sub)
     _add_bench(sub)
@@ -335,11 +433,37 @@ def _add_generate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    s = sub.add_parser("serve", help="serve the model to every tenant of a config over HTTP (Ctrl-C stops)")
-    s.add_argument("--config", required=True, help="YAML config (see README)")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP, to tenant 'default' or every tenant of --config (Ctrl-C stops)",
+        description="Flags override the config's values. Without --config: one tenant, 'default', at "
+        "http://HOST:PORT/default/v1, with the key of --api-key or $KVGRID_API_KEY (on a loopback host without "
+        "one, a key is generated and printed).",
+    )
+    s.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="demo, smollm2, a GGUF file, a folder, an org/name Hub id",
+    )
+    s.add_argument("--config", default=None, help="YAML config (see README)")
+    s.add_argument("--host", default=None, help="http.host (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="http.port (default 8000)")
+    s.add_argument("--groups", type=int, default=None, help="worker groups (default 1)")
+    s.add_argument("--tensor-parallel", type=int, default=None, help="ranks per group (default 1)")
+    s.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="default auto")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send and /v1/models reports")
+    s.add_argument("--api-key", default=None, help="without --config: tenant default's key (or $KVGRID_API_KEY)")
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one on 127.0.0.1)")
     s.add_argument("--redis", default=None, help="redis://... URL (default: an embedded Redis)")
     s.set_defaults(func=_cmd_serve)
+
+
+def _add_model_path(sub) -> None:
+    m = sub.add_parser("model-path", help="print the model folder of NAME (built or converted first)")
+    m.add_argument("name", metavar="NAME", help="demo, smollm2, a GGUF file, a folder, an org/name Hub id")
+    m.set_defaults(func=_cmd_model_path)
 
 
 def _add_scale_and_groups(sub) -> None:

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoConfig
 
 
@@ -91,3 +92,187 @@ def test_bench_engine_reports_decode_and_the_closed_loop_of_bench_serve(demo_pat
     assert (loop["prompt_tokens"], loop["output_tokens"]) == (128, 64)
     for streams in ("1", "3"):
         assert loop[streams]["tokens_per_s"] > 0 and loop[streams]["step_ms"] > 0 and loop[streams]["step_cpu_ms"] > 0
+
+
+# -- kvgrid serve's command line and kvgrid model-path -------------------------------------------------------------
+
+
+def _serve_args(*argv: str):
+    from router.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_override_the_configs_values(tmp_path):
+    from router.cli import serve_config_from_args
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "model: demo\nblock_size: 32\ngroups: 2\nkv_cache_bytes: 1048576\nhttp: {host: 127.0.0.1, port: 9000}\n"
+        "tenants:\n  - name: acme\n    api_keys: [sk-acme-123]\n"
+    )
+    cfg, generated = serve_config_from_args(_serve_args("--config", str(path)))
+    assert (cfg.model, cfg.groups, cfg.http.port, cfg.model_id, generated) == ("demo", 2, 9000, "demo", None)
+    flags = ["--port", "8123", "--host", "0.0.0.0", "--groups", "3", "--tensor-parallel", "2", "--dtype", "bfloat16"]
+    cfg, generated = serve_config_from_args(
+        _serve_args("demo:qwen2", "--config", str(path), *flags, "--served-model-name", "my-llm")
+    )
+    assert (cfg.model, cfg.http.host, cfg.http.port, cfg.groups, cfg.tensor_parallel, cfg.dtype) == (
+        "demo:qwen2",
+        "0.0.0.0",
+        8123,
+        3,
+        2,
+        "bfloat16",
+    )
+    assert cfg.model_id == "my-llm" and cfg.served_model_name == "my-llm"
+    # What no flag names stays the config's; its tenants keep their keys (no default tenant, no generated key).
+    assert (cfg.block_size, cfg.kv_cache_bytes) == (32, 1048576)
+    assert [(t.name, t.api_keys) for t in cfg.tenants] == [("acme", ["sk-acme-123"])] and generated is None
+
+
+def test_serve_without_config_has_one_default_tenant_keyed_by_api_key_or_environment(monkeypatch):
+    from common.config import ServeConfig
+    from router.cli import serve_config_from_args
+
+    monkeypatch.setenv("KVGRID_API_KEY", "sk-from-the-environment")
+    cfg, generated = serve_config_from_args(_serve_args("demo", "--host", "0.0.0.0"))
+    assert [(t.name, t.api_keys) for t in cfg.tenants] == [("default", ["sk-from-the-environment"])]
+    assert generated is None and cfg.http.host == "0.0.0.0"
+    cfg, generated = serve_config_from_args(_serve_args("demo", "--api-key", "sk-from-the-flag"))
+    assert [(t.name, t.api_keys) for t in cfg.tenants] == [("default", ["sk-from-the-flag"])] and generated is None
+    # Everything else as the config's defaults have it.
+    defaults = ServeConfig.model_validate({"tenants": [{"name": "default", "api_keys": ["sk-from-the-flag"]}]})
+    assert cfg == defaults and (cfg.http.host, cfg.http.port, cfg.groups) == ("127.0.0.1", 8000, 1)
+
+
+def _no_start(monkeypatch) -> list:
+    """Replace serve.run (no Ray, no server) by a recorder of the configs it is given."""
+    from router.control import serve
+
+    started: list = []
+    monkeypatch.setattr(serve, "run", lambda cfg, **kw: started.append((cfg, kw)) or 0)
+    return started
+
+
+def _error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvgrid: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "example.com", "::"])
+def test_serve_refuses_a_host_reachable_from_elsewhere_without_a_key(host, monkeypatch, capsys):
+    from router.cli import main
+
+    started = _no_start(monkeypatch)
+    monkeypatch.delenv("KVGRID_API_KEY", raising=False)
+    assert main(["serve", "demo", "--host", host]) == 2
+    out, err = capsys.readouterr()
+    line = _error_line(err)
+    assert "--api-key" in line and "KVGRID_API_KEY" in line and host in line
+    assert started == [] and out == ""
+
+
+@pytest.mark.parametrize(
+    ("host", "base"),
+    [
+        (None, "http://127.0.0.1:8123"),
+        ("127.0.0.2", "http://127.0.0.2:8123"),
+        ("localhost", "http://localhost:8123"),
+        ("::1", "http://[::1]:8123"),
+    ],
+)
+def test_serve_on_loopback_without_a_key_generates_one_and_prints_it_once(host, base, monkeypatch, capsys):
+    from router.cli import main
+
+    started = _no_start(monkeypatch)
+    monkeypatch.delenv("KVGRID_API_KEY", raising=False)
+    argv = ["serve", "demo", "--port", "8123", "--redis", "redis://x:1/0", *(["--host", host] if host else [])]
+    assert main(argv) == 0
+    ((cfg, kw),) = started
+    assert kw == {"address": None, "redis_url": "redis://x:1/0"}
+    ((key,),) = [t.api_keys for t in cfg.tenants]
+    assert cfg.tenants[0].name == "default" and key.startswith("sk-") and len(key) >= 32
+    out = capsys.readouterr().out
+    assert out.count(key) == 1 and f"KVGRID_API_KEY={key}" in out and f"{base}/default/v1" in out
+    main(argv)
+    assert started[1][0].tenants[0].api_keys != [key]  # a new one each run
+
+
+def test_serve_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    from harness import free_port
+    from router.cli import main
+
+    monkeypatch.delenv("KVGRID_API_KEY", raising=False)
+    cases = [
+        ([], "give a model or --config"),
+        (["demo", "--api-key", "short"], "--api-key: an API key must have at least 8 characters"),
+        (["demo", "--groups", "0"], "--groups: groups:"),
+        (["demo", "--served-model-name", "my llm"], "--served-model-name: served_model_name: must be a name"),
+        (["--config", str(tmp_path / "none.yaml")], "cannot read config"),
+        (["demo", "--config", "router/demo.yaml", "--api-key", "sk-12345678"], "--api-key is for serving without"),
+        # serve.run resolves the model before Ray starts, and fails at once
+        ([str(tmp_path / "missing"), "--port", str(free_port())], "missing"),
+    ]
+    for argv, expected in cases:
+        assert main(["serve", *argv]) == 2, argv
+        assert expected in _error_line(capsys.readouterr().err), argv
+
+
+def test_serve_dtype_choices_are_the_configs():
+    import typing
+
+    from common.config import ServeConfig
+    from router.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (dtype,) = [a for a in serve._actions if a.dest == "dtype"]
+    assert list(dtype.choices) == list(typing.get_args(ServeConfig.model_fields["dtype"].annotation))
+
+
+def test_model_path_prints_the_demo_folder_only(tmp_path):
+    out = kvgrid("model-path", "demo", env_extra={"KVGRID_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.removesuffix("\n")
+    assert out.stdout == path + "\n" and os.path.dirname(path) == str(tmp_path)  # only the path, in the cache
+    assert AutoConfig.from_pretrained(path).model_type == "llama"
+
+
+def test_model_path_of_a_bad_model_exits_2_with_one_line(tmp_path):
+    out = kvgrid("model-path", str(tmp_path / "missing"), env_extra={"KVGRID_CACHE": str(tmp_path)})
+    assert out.returncode == 2 and out.stdout == ""
+    assert "missing" in _error_line(out.stderr)
+
+
+def test_the_gateway_reports_and_accepts_the_served_model_name_only(demo_path, redis_client):
+    import asyncio
+
+    import httpx
+
+    from common.config import ServeConfig
+    from router.gateway.app import create_app
+    from router.gateway.core import Gateway
+    from router.gateway.store import KeyRing
+
+    key = "sk-default-123"
+    config = ServeConfig.model_validate(
+        {"model": str(demo_path), "served_model_name": "my-llm", "tenants": [{"name": "default", "api_keys": [key]}]}
+    )
+    gw = Gateway(config, KeyRing.from_config(config), str(demo_path), [None], f"unix://{redis_client.socket_file}")
+    app = create_app(gw)
+
+    async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            h = {"Authorization": f"Bearer {key}"}
+            models = await client.get("/default/v1/models", headers=h)
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+            other = await client.post("/default/v1/chat/completions", headers=h, json={**body, "model": "demo"})
+            anthropic = await client.post("/default/v1/messages", headers=h, json={**body, "model": demo_path.name})
+        await gw.close()
+        return models, other, anthropic
+
+    models, other, anthropic = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [m["id"] for m in models.json()["data"]] == ["my-llm"]
+    assert other.status_code == 404 and "'my-llm'" in other.json()["error"]["message"]
+    assert anthropic.status_code == 404 and "'my-llm'" in anthropic.json()["error"]["message"]

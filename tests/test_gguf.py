@@ -264,3 +264,28 @@ def test_model_names_resolve_to_folders(tmp_path: Path, monkeypatch: pytest.Monk
         resolve_model("")
     with pytest.raises(ModelError, match="unknown demo model variant"):
         resolve_model("demo:gpt2")
+
+
+def test_hub_ids_resolve_through_the_hub_cache_offline(tmp_path: Path, demo_path: Path) -> None:
+    """A Hub id is looked up in huggingface_hub's cache, laid out here as it lays it out (refs/main names the
+    snapshot); offline, an id not in the cache is one line naming the id and the offline mode."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(demo_path, repo / "snapshots" / commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = "import sys; from worker.models.registry import resolve_model; print(resolve_model(sys.argv[1]))"
+    found = subprocess.run(
+        [sys.executable, "-c", code, "HuggingFaceTB/SmolLM2-135M-Instruct"], env=env, capture_output=True, text=True
+    )
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == repo / "snapshots" / commit
+    missing = subprocess.run(
+        [sys.executable, "-c", code, "acme/no-such-model"], env=env, capture_output=True, text=True
+    )
+    assert missing.returncode != 0
+    assert "ModelError: model 'acme/no-such-model' could not be fetched" in missing.stderr
+    assert "HF_HUB_OFFLINE" in missing.stderr

@@ -72,20 +72,32 @@ def frontend_actor_options() -> dict:
 
 
 def run(
-    config_path: str, address: str | None = None, redis_url: str | None = None, stop: threading.Event | None = None
+    config: ServeConfig | str | Path,
+    address: str | None = None,
+    redis_url: str | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
+    """Serve ``config`` (a ServeConfig, or the path of its YAML file) until ``stop`` is set (or SIGINT/SIGTERM).
+    Bad input (config, model, port) raises ValueError or FileNotFoundError before Ray starts."""
     from common.hashing import new_secret
     from router.control.supervisor import Supervisor
-    from router.gateway.server import reserve_port
+    from router.gateway.server import PortInUse, reserve_port
     from router.routing.service import RouterService
     from worker.group import GroupConfig, init_local_ray
-    from worker.models.demo_model import resolve_model
+    from worker.models.registry import resolve_model
 
-    cfg: ServeConfig = load_config(config_path)
+    cfg = config if isinstance(config, ServeConfig) else load_config(config)
     if address and not redis_url:
         raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
     # Checked before any group loads its model, and held until this node's gateway replicas bind it.
-    port_hold = reserve_port(cfg.http.host, cfg.http.port)
+    try:
+        port_hold = reserve_port(cfg.http.host, cfg.http.port)
+    except PortInUse:
+        raise ValueError(
+            f"http: {cfg.http.host}:{cfg.http.port} is in use by another program (choose another: --port, http.port)"
+        ) from None
+    except OSError as exc:  # an address of no interface here, a host name that does not resolve
+        raise ValueError(f"http: cannot listen on {cfg.http.host}:{cfg.http.port}: {exc.strerror or exc}") from None
     try:
         model_path = str(resolve_model(cfg.model))
         secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
@@ -244,10 +256,18 @@ def _deploy_failure(name: str) -> str:
         return f"Serve gave no reason ({exc!r} reading its status)"
 
 
+def base_url(host: str, port: int) -> str:
+    """``http://host:port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:
     """What ``kvgrid serve`` tells the operator once it serves (never a key or a password)."""
-    base = f"http://{cfg.http.host}:{cfg.http.port}"
-    print(f"kvgrid is serving {cfg.model} with {cfg.groups} worker group(s) of tp={cfg.tensor_parallel}")
+    base = base_url(cfg.http.host, cfg.http.port)
+    print(
+        f"kvgrid is serving {cfg.model} as model {cfg.model_id!r} with {cfg.groups} worker group(s) "
+        f"of tp={cfg.tensor_parallel}"
+    )
     print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
     for t in cfg.tenants:
         print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
@@ -257,7 +277,7 @@ def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:
         else "  admin API: off (no admin_keys in the config)"
     )
     t0 = cfg.tenants[0]
-    print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s api_keys from the config):")
+    print(f"try (with KVGRID_API_KEY set to one of {t0.name}'s API keys):")
     print(
         f'  curl -s {base}/{t0.name}/v1/chat/completions -H "Authorization: Bearer $KVGRID_API_KEY" '
         "-H 'Content-Type: application/json' "

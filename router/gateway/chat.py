@@ -13,7 +13,13 @@ special token would come from a message's text is the prompt encoded region by r
 usual, the messages' texts with special-token matching off (their marker text becomes ordinary tokens).
 
 Only ``/v1/completions`` with a string prompt encodes special-token text as special tokens: a raw prompt is the
-caller's own template (vLLM does the same)."""
+caller's own template (vLLM does the same).
+
+Tools: a template with tool syntax renders the definitions (``tools=``) and earlier calls (``tool_calls``) itself,
+and the request's JSON in them is found in the text and kept plain like contents. A template without (SmolLM2's
+renders only contents; ``tool_syntax`` finds out by rendering probes, once per tokenizer) gets them as message
+text (router/gateway/tools.py: the definitions in front of the system message, calls after the assistant's text,
+results in ``<tool_response>``): being contents, they are regions like any other."""
 
 from __future__ import annotations
 
@@ -21,10 +27,13 @@ import bisect
 import json
 import re
 import secrets
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
+
+from router.gateway.tools import RESPONSE_OPEN, response_text, tools_prompt, with_calls
 
 
 class ChatTemplateError(ValueError):
@@ -166,6 +175,103 @@ def _json_regions(tokenizer, text: str, pieces: list[str]) -> list[tuple[int, in
     return regions
 
 
+@dataclass(frozen=True)
+class ToolSyntax:
+    """What a chat template does with tools: renders the definitions it is given (``tools``), renders an assistant
+    message's ``tool_calls`` (``calls``)."""
+
+    tools: bool
+    calls: bool
+
+
+_PROBE_TOOL, _PROBE_CALL = "kvgrid_probe_tool_7q3z", "kvgrid_probe_call_7q3z"
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": _PROBE_TOOL, "description": "A probe.", "parameters": {"type": "object"}},
+    }
+]
+_PROBE_CALLS = [{"id": "probe0001", "type": "function", "function": {"name": _PROBE_CALL, "arguments": {"n": 1}}}]
+_SYNTAX: weakref.WeakKeyDictionary[Any, tuple[Any, ToolSyntax]] = weakref.WeakKeyDictionary()
+
+
+def _shows(tokenizer, needle: str, messages: list[dict[str, Any]], generation: bool) -> bool:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=_PROBE_TOOLS, add_generation_prompt=generation, tokenize=False
+        )
+    except Exception:  # a template that refuses the probe has no syntax for it
+        return False
+    return isinstance(text, str) and needle in text
+
+
+def tool_syntax(tokenizer) -> ToolSyntax:
+    """Whether the tokenizer's chat template renders tool definitions and earlier tool calls: it does when a probe
+    tool's name (a probe call's) is in its rendering of a conversation that has one. Cached per tokenizer object
+    and template."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        known = _SYNTAX.get(tokenizer)
+    except TypeError:  # not weakly referable: no cache
+        known = None
+    if known is not None and known[0] == template:
+        return known[1]
+    user = {"role": "user", "content": "Call the tool."}
+    call = {"role": "assistant", "content": "", "tool_calls": _PROBE_CALLS}
+    result = {"role": "tool", "tool_call_id": "probe0001", "name": _PROBE_CALL, "content": "1"}
+    syntax = ToolSyntax(
+        tools=_shows(tokenizer, _PROBE_TOOL, [user], True),
+        calls=_shows(tokenizer, _PROBE_CALL, [user, call, result], True)
+        or _shows(tokenizer, _PROBE_CALL, [user, call], False),
+    )
+    try:
+        _SYNTAX[tokenizer] = (template, syntax)
+    except TypeError:
+        pass
+    return syntax
+
+
+def _tools_as_text(
+    tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int, list[tuple[int, int] | None]]:
+    """What the template is given for a template without tool syntax (``tool_syntax``): the messages with the tools
+    and calls it would not render as their text, the tools it still renders, how many messages were put in front
+    (a new system message), and for each of the request's messages where its own content lies in the new content
+    (None: unchanged)."""
+    own: list[tuple[int, int] | None] = [None] * len(messages)
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return messages, tools, 0, own
+    syntax = tool_syntax(tokenizer)
+    shown = list(messages)
+    if not syntax.calls:
+        for i, m in enumerate(messages):
+            text = m.get("content") or ""
+            if m.get("tool_calls"):
+                shown[i] = {k: v for k, v in m.items() if k != "tool_calls"}
+                shown[i]["content"] = with_calls(text, m["tool_calls"])
+                own[i] = (0, len(text))
+            elif m.get("role") == "tool":
+                shown[i] = {**m, "content": response_text(text)}
+                own[i] = (len(RESPONSE_OPEN) + 1, len(RESPONSE_OPEN) + 1 + len(text))
+    if not tools or syntax.tools:
+        return shown, tools, 0, own
+    block = tools_prompt(tools)
+    if shown and shown[0].get("role") == "system":
+        text = shown[0].get("content") or ""
+        shown[0] = {**shown[0], "content": f"{block}\n\n{text}" if text else block}
+        own[0] = (len(shown[0]["content"]) - len(text), len(shown[0]["content"]))
+        return shown, None, 0, own
+    return [{"role": "system", "content": block}, *shown], None, 1, own
+
+
+def _own_span(text: str, content: str, span: tuple[int, int], own: tuple[int, int]) -> tuple[int, int]:
+    """Where ``content[own[0]:own[1]]`` lies in ``text``, given that ``content`` (perhaps stripped by the template)
+    is at ``span``."""
+    a, b = span
+    lead = max(0, content.find(text[a:b])) if b > a else 0
+    return min(max(a, a - lead + own[0]), b), min(max(a, a - lead + own[1]), b)
+
+
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted, non-overlapping spans covering the same characters."""
     out: list[tuple[int, int]] = []
@@ -190,15 +296,20 @@ def encode_chat(
     ``tools``: the function definitions the template renders (transformers' ``tools=``: OpenAI's
     ``{"type": "function", "function": {...}}`` shape). An assistant message may carry ``tool_calls`` (OpenAI's
     shape, arguments as a dict or a JSON string), a ``tool`` message a result as its content. Special-token text
-    in that JSON is encoded as plain text too."""
-    text, placed = _render(tokenizer, messages, add_generation_prompt, tools)
+    in that JSON is encoded as plain text too. A template without tool syntax gets them as message text
+    (``_tools_as_text``); the content spans are still those of the request's messages' own texts."""
+    shown, tools, first, own = _tools_as_text(tokenizer, messages, tools)
+    text, placed = _render(tokenizer, shown, add_generation_prompt, tools)
     by_message: list[tuple[int, int] | None] = [None] * len(messages)
-    for i, span in placed:
-        by_message[i] = by_message[i] or span  # a content the template repeats: its first place
+    for k, span in placed:
+        i = k - first
+        if i >= 0 and by_message[i] is None:  # a content the template repeats: its first place
+            mine = own[i]
+            by_message[i] = span if mine is None else _own_span(text, shown[k]["content"], span, mine)
     ids, offsets = _encode(tokenizer, text, plain_text=False)
     regions = sorted({span for _, span in placed if span[0] < span[1]})
-    if tools or any(m.get("tool_calls") for m in messages):
-        regions = _merge(regions + _json_regions(tokenizer, text, _json_texts(tools, messages)))
+    if tools or any(m.get("tool_calls") for m in shown):
+        regions = _merge(regions + _json_regions(tokenizer, text, _json_texts(tools, shown)))
     starts = [a for a, _ in regions]
     special = _special_ids(tokenizer)
 

