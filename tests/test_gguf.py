@@ -289,3 +289,17 @@ def test_hub_ids_resolve_through_the_hub_cache_offline(tmp_path: Path, demo_path
     assert missing.returncode != 0
     assert "ModelError: model 'acme/no-such-model' could not be fetched" in missing.stderr
     assert "HF_HUB_OFFLINE" in missing.stderr
+
+
+def test_cli_bad_gguf_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "cut.gguf", T.Q4_1)
+    path.write_bytes(path.read_bytes()[:-5000])
+    env = {**os.environ, "KVGRID_CACHE": str(tmp_path / "cache")}
+    for name in (str(path), str(tmp_path / "missing.gguf")):
+        done = subprocess.run(
+            [sys.executable, "-m", "router.cli", "model-path", name], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 2 and done.stdout == ""
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and ("truncated" in lines[0] or "does not exist" in lines[0]), done.stderr
+    _assert_no_build_left(tmp_path / "cache")

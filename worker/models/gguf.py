@@ -12,6 +12,7 @@ pre-tokenizer, Llama 3's rope frequency table) is a ``GGUFError`` naming it, rai
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,12 @@ class _Hparams:
     rope_scaling: dict[str, Any] | None
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether the file starts with GGUF's magic."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _open(path: Path):
     from gguf import GGUFReader
 
@@ -72,7 +79,8 @@ def _open(path: Path):
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on a bad or cut file
-        raise GGUFError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        what = "truncated or corrupt" if is_gguf(path) else "not GGUF"
+        raise GGUFError(f"{path.name} is not a readable GGUF file ({what}: {type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
@@ -297,6 +305,8 @@ def convert_gguf(path: str | Path, out: str | Path, progress: bool = True) -> Pa
     tokenizer, facts = _tokenizer(reader, path)
     if tokenizer.get_vocab_size(with_added_tokens=True) != hp.vocab:
         raise GGUFError(f"{path.name}: {tokenizer.get_vocab_size()} tokens for a vocabulary of {hp.vocab}")
+    if progress:
+        print(f"converting {path.name} ({len(reader.tensors)} tensors) once, into kvgrid's cache", file=sys.stderr)
     try:
         has_head = _write_weights(out, _tensors(reader, hp, progress))
     except GGUFError:

