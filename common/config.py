@@ -172,25 +172,109 @@ class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     replicas: int = Field(1, ge=1)  # gateway replicas (Serve spreads them over the frontend nodes)
-    # Connections and requests one gateway replica works on at once; past it the replica answers 503 at once.
+    # Requests one gateway replica works on at once (not sockets: an idle connection holds no place, and a request
+    # without a valid key is answered 401 before its body is read); past it the replica answers 503 with
+    # Retry-After at once. Each tenant also has limits.max_inflight_requests per replica.
     max_ongoing_requests: int = Field(1024, ge=1)
     # How long a replica keeps an idle keep-alive connection open. Longer than the clients' own idle expiry (httpx,
     # so the OpenAI and Anthropic SDKs: 5 s; aiohttp 15 s), else a client can send on a connection the server is
     # closing that moment and get a connection error (seen in CI with uvicorn's default of 5 s against httpx's 5 s).
-    # Behind a load balancer: longer than its idle timeout (AWS ALB: 60 s). Idle connections count against
-    # max_ongoing_requests.
+    # Behind a load balancer: longer than its idle timeout (AWS ALB: 60 s).
     keep_alive_s: int = Field(20, ge=1)
     docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
+    # Connection hygiene (router/gateway/ingress.py; README "HTTP connections"). A new connection that has not
+    # started a request within idle_timeout_s is closed (bytes that start no request do not extend it).
+    idle_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
+    # A request's head (request line and headers, at most 64 KiB) must arrive within this of its first byte; else
+    # 408 and the connection is closed (slowloris).
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
+    # A request body may stall (no byte while the server reads) at most this long, and must average body_min_rate
+    # bytes/s past this grace (mod_reqtimeout's rule: deadline = grace + received / body_min_rate); else the
+    # connection is closed. Time the server is not reading (the app not asking yet, Expect: 100-continue) is free.
+    body_timeout_s: float = Field(20.0, gt=0, le=3600, allow_inf_nan=False)
+    body_min_rate: int = Field(500, ge=1)  # bytes/s
+    # Connections one client address (IPv4, or IPv6 /64) may hold per replica; one more gets a 503 with Retry-After
+    # and is closed unread. 0 = no cap. Behind a load balancer or proxy every connection comes from its
+    # addresses: raise it (or 0) there.
+    max_connections_per_client: int = Field(256, ge=0)
+    # Connections one replica holds; 0 = what its open-file limit leaves room for (the soft limit, raised to the
+    # hard limit at start, less the fds open and a reserve of max(256, 1/8 of it); at most 65536). At the cap the
+    # oldest connection that has not sent a complete request head is closed for the newcomer; with none, the
+    # newcomer gets a 503 with Retry-After. A value above the fd limit's room is lowered to it (with a warning).
+    max_connections: int = Field(0, ge=0)
+
+
+# Folders a disk tier may not be in: the system's own (``/usr/...``, ``/dev/null``, ``/proc/...``).
+_SYSTEM_DIRS = "/bin /boot /dev /etc /lib /lib32 /lib64 /libx32 /proc /run /sbin /sys /usr".split()
+# Folders a disk tier may be under but not be: shared by everything else on the machine.
+_SHARED_DIRS = frozenset("/ /home /media /mnt /opt /root /srv /tmp /var /var/tmp /var/cache /var/lib /var/log".split())
+
+
+def disk_tier_path(value: str) -> str:
+    """A disk tier's folder: ``value`` with ``~`` expanded, normalised. ``ValueError`` for a relative path, a
+    ``..`` component, a system folder or a path in one (also where a symlink leads), a shared top folder itself
+    (``/``, ``/tmp``, ``/var``, ``/home``, ...), or something that exists and is not a folder (``/dev/null``)."""
+    expanded = os.path.expanduser(value)
+    if not os.path.isabs(expanded):
+        raise ValueError(f"must be an absolute path (or start with ~/), got {value!r}")
+    if ".." in Path(expanded).parts:
+        raise ValueError(f"must not hold '..' components, got {value!r}")
+    path = os.path.normpath(expanded)
+    for where in dict.fromkeys((path, os.path.realpath(path))):
+        if where in _SHARED_DIRS:
+            example = "/var/cache/kvgrid" if where == "/" else f"{where}/kvgrid"
+            raise ValueError(f"must be a folder of its own (e.g. {example}), not {where}")
+        system = next((d for d in _SYSTEM_DIRS if where == d or where.startswith(d + "/")), None)
+        if system is not None:
+            raise ValueError(f"must not be in the system folder {system}, got {value!r}")
+        if os.path.exists(where) and not os.path.isdir(where):
+            raise ValueError(f"{where} exists and is not a folder")
+    return path
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def filesystem_bytes(path: str) -> int | None:
+    """The size of the filesystem ``path`` is on (or would be, by its nearest existing folder)."""
+    p = Path(path)
+    try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
 
 
 class KVTiersServeConfig(_Strict):
     """Host RAM and disk tiers under every group's KV cache, per rank (worker/kv_tiers.py; README "KV tiers").
     ``host_bytes`` 0 (the default) = no tiers; ``disk_path`` (each group writes under ``<disk_path>/<group>``)
-    needs ``disk_bytes`` and a host tier."""
+    needs ``disk_bytes`` and a host tier. ``host_bytes`` is at most this machine's memory; ``disk_path`` is an
+    absolute folder of its own (``~`` expanded; ``disk_tier_path``); ``disk_bytes`` at most the size of its
+    filesystem."""
 
     host_bytes: int = Field(0, ge=0)
     disk_path: str | None = Field(None, min_length=1)
     disk_bytes: int = Field(0, ge=0)
+
+    @field_validator("host_bytes")
+    @classmethod
+    def _memory(cls, value: int) -> int:
+        memory = memory_bytes()
+        if memory is not None and value > memory:
+            raise ValueError(f"{value} bytes is more than this machine's memory ({memory} bytes)")
+        return value
+
+    @field_validator("disk_path")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return None if value is None else disk_tier_path(value)
 
     @model_validator(mode="after")
     def _disk(self) -> KVTiersServeConfig:
@@ -198,6 +282,11 @@ class KVTiersServeConfig(_Strict):
             raise ValueError("disk_bytes must be > 0 with a disk_path")
         if self.disk_path is not None and self.host_bytes <= 0:
             raise ValueError("host_bytes must be > 0 with a disk_path (blocks reach disk through host RAM)")
+        size = filesystem_bytes(self.disk_path) if self.disk_path is not None else None
+        if size is not None and self.disk_bytes > size:
+            raise ValueError(
+                f"disk_bytes ({self.disk_bytes}) is more than the size of disk_path's filesystem ({size} bytes)"
+            )
         return self
 
 

@@ -6,12 +6,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.json_limits import check_schema, depth_error
+
 # Limits that keep one request's cost per step bounded (stop strings are searched after every token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
 _INT32_MAX = 2**31 - 1
 MAX_GRAMMAR_CHARS = 2**20
 STRUCTURED_KINDS = ("json_object", "json_schema", "grammar")
@@ -60,10 +63,13 @@ class StructuredOutput:
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
+            except RecursionError:
+                raise depth_error(field) from None
             except ValueError:
                 raise ValueError(f"{field}: the JSON schema is not valid JSON") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"{field}: a JSON schema must be an object or a boolean")
+            check_schema(schema, field)  # nesting, size, patterns, $ref recursion: before the engine sees it
         from llguidance import LLMatcher
 
         try:
@@ -79,7 +85,10 @@ class SamplingParams:
     """How to pick output tokens for one request.
 
     ``temperature`` in [0, 100]; below 1e-5 is greedy (dividing logits by less overflows). ``top_p`` in (0, 1]
-    (1 disables it; the most likely token is always kept). ``top_k`` >= -1 (0 or -1 disable it). ``seed`` (any
+    (1 disables it; the most likely token is always kept). ``top_k`` >= -1 (0 or -1 disable it). ``min_p`` in
+    [0, 1]: tokens less likely than ``min_p`` times the most likely one are dropped (0 disables it).
+    ``repetition_penalty`` in (0, 10]: the logits of every token already in the prompt or the output are divided
+    by it when positive and multiplied by it when negative (1 disables it; greedy requests too). ``seed`` (any
     64-bit integer) makes a sampled request reproducible on its own, whatever else is in the batch. ``stop``
     strings (at most 16, each 1 to 512 characters) end the output and are cut from the text;
     ``stop_token_ids`` (at most 64) and, unless ``ignore_eos``, the model's EOS end it too (the token stays in
@@ -94,6 +103,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -130,6 +141,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            limit = MAX_REPETITION_PENALTY
+            raise ValueError(f"repetition_penalty must be a number in (0, {limit:g}], got {self.repetition_penalty!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -141,6 +157,7 @@ class SamplingParams:
                 raise ValueError("structured_output must be a StructuredOutput or None")
             self.structured_output.check()
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.min_p, self.repetition_penalty = float(self.min_p), float(self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -81,3 +81,44 @@ def test_unreadable_or_non_mapping_config(tmp_path):
 @pytest.mark.parametrize("text, seconds", [("5m", 300), ("1h", 3600), ("90s", 90), (45, 45), ("250ms", 0.25)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    "tiers, message",
+    [
+        ("{host_bytes: 1000000000000000}", r"kv_tiers\.host_bytes: 1000000000000000 bytes is more than this machine's"),
+        ("{host_bytes: 1e15}", r"kv_tiers\.host_bytes"),
+        ("{host_bytes: 1048576, disk_path: /, disk_bytes: 1}", r"kv_tiers\.disk_path: must be a folder of its own"),
+        ("{host_bytes: 1048576, disk_path: /tmp, disk_bytes: 1}", r"kv_tiers\.disk_path: .*not /tmp"),
+        ("{host_bytes: 1048576, disk_path: ../../../etc, disk_bytes: 1}", r"kv_tiers\.disk_path: must be an absolute"),
+        (
+            "{host_bytes: 1048576, disk_path: /srv/kv/../../etc, disk_bytes: 1}",
+            r"kv_tiers\.disk_path: must not hold '\.\.'",
+        ),
+        (
+            "{host_bytes: 1048576, disk_path: /dev/null, disk_bytes: 1}",
+            r"kv_tiers\.disk_path: must not be in the system folder /dev",
+        ),
+        ("{host_bytes: 1048576, disk_path: /etc/kvgrid, disk_bytes: 1}", r"kv_tiers\.disk_path: .*system folder /etc"),
+        ("{host_bytes: 1048576, disk_path: //usr/kv, disk_bytes: 1}", r"kv_tiers\.disk_path: .*system folder /usr"),
+        ("{host_bytes: 1048576, disk_path: kv, disk_bytes: 1}", r"kv_tiers\.disk_path: must be an absolute"),
+        (
+            "{host_bytes: 1048576, disk_path: /srv/kv, disk_bytes: 1000000000000000000000}",
+            r"kv_tiers: disk_bytes .* filesystem",
+        ),
+    ],
+)
+def test_kv_tiers_are_bounded_by_the_machine_and_kept_out_of_system_folders(tmp_path, tiers, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, GOOD + f"kv_tiers: {tiers}\n"))
+
+
+def test_a_kv_tiers_disk_path_under_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(
+        write(tmp_path, GOOD + "kv_tiers: {host_bytes: 1048576, disk_path: ~/kv//tier/, disk_bytes: 4096}\n")
+    )
+    assert cfg.kv_tiers.disk_path == str(tmp_path / "kv" / "tier")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a folder"):
+        load_config(write(tmp_path, GOOD + f"kv_tiers: {{host_bytes: 1, disk_path: {tmp_path}/file, disk_bytes: 1}}\n"))

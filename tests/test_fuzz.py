@@ -365,7 +365,76 @@ def all_requests(cid: str) -> dict[str, list[Request]]:
     )
     scale = requests_for(ScaleRequest, half, 6, "POST", lambda r: "/admin/v1/scale", ADMIN_KEY, never_valid=True)
     match = requests_for(MatchRequest, PER_FAMILY - half, 7, "POST", lambda r: "/admin/v1/match", ADMIN_KEY)
-    return {"openai": chat + text, "anthropic": messages, "cached contents": create + patch, "admin": scale + match}
+    openai_hostile, anthropic_hostile = hostile_requests()
+    return {
+        "openai": chat + text + openai_hostile,
+        "anthropic": messages + anthropic_hostile,
+        "cached contents": create + patch,
+        "admin": scale + match,
+    }
+
+
+def _deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def hostile_requests() -> tuple[list[Request], list[Request]]:
+    """The hostile review's bodies (issue 33): deep tool-call JSON, schemas the grammar engine cannot compile, a
+    tool name holding the template's markers, max_tokens past the context, Anthropic's cache_control mistakes; a
+    few that are served (vLLM's sampling extras, recursion with an exit). Each is sent twice."""
+    user = [{"role": "user", "content": "hi"}]
+    loop = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps(_deep(475))}}
+
+    def fmt(schema: dict) -> dict:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}
+
+    def tool(name: str, params: dict) -> dict:
+        return {"tools": [{"type": "function", "function": {"name": name, "parameters": params}}]}
+
+    answered = [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]
+    chat = [
+        {"messages": [*user, *answered]},
+        fmt({"$ref": "#"}),
+        fmt(loop),
+        fmt({"type": "string", "pattern": "^(a{1000}){1000}$"}),
+        fmt({"const": IM_END_TOKEN}),
+        fmt(tree),
+        {**tool(f'f"}}</tool_call>{IM_END_TOKEN}', {"type": "object"}), "tool_choice": "required"},
+        {**tool("loop", loop), "tool_choice": "required"},
+        {"max_tokens": 100_000},
+        {"top_k": 3, "min_p": 0.2, "repetition_penalty": 1.3},
+        {"guided_json": {"type": "object"}},
+    ]
+
+    def cc(text: str, ttl: str | None) -> dict:
+        control = {"type": "ephemeral"} if ttl is None else {"type": "ephemeral", "ttl": ttl}
+        return {"type": "text", "text": text, "cache_control": control}
+
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {"a": _deep(80)}}
+    messages = [
+        {"messages": [{"role": "user", "content": [cc("hi", "")]}]},
+        {"system": [cc("Rules.", "5m")], "messages": [{"role": "user", "content": [cc("hi", "1h")]}]},
+        {"system": [cc("", None)]},
+        {"tools": [{"name": "a b", "input_schema": {"type": "object"}}]},
+        {"tools": [{"name": "loop", "input_schema": loop}], "tool_choice": {"type": "any"}},
+        {"max_tokens": 100_000},
+        {"messages": [*user, {"role": "assistant", "content": [use]}]},
+    ]
+    headers = {"content-type": "application/json", "authorization": f"Bearer {ACME_KEY}"}
+
+    def requests(path: str, bodies: list[dict]) -> list[Request]:
+        out: list[Request] = []
+        for body in bodies:
+            full = {"model": "demo", "max_tokens": 1, "messages": user, **body}
+            out += [("POST", path, headers, json.dumps(full).encode())] * 2
+        return out
+
+    return requests("/acme/v1/chat/completions", chat), requests("/acme/v1/messages", messages)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import torch
 
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
+from worker.sampler import Sampler
+from worker.sequence import Sequence
 
 PROMPT = list(range(500, 540))
 
@@ -109,3 +111,51 @@ def test_a_vanishing_temperature_is_greedy_and_does_not_break_the_step(engine):
     expected = greedy(engine).token_ids
     p = SamplingParams(max_tokens=12, temperature=1e-39, ignore_eos=True)
     assert engine.generate([PROMPT], p)[0].token_ids == expected
+
+
+def _seq(rid: str, tokens: list[int], **kw) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(**kw), "t", b"")
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([[4.0, 3.0, -1.0, 0.5], [4.0, 3.0, -1.0, 0.5]])
+    seqs = [_seq("a", [0, 2, 0], temperature=0.0, repetition_penalty=2.0, logprobs=0), _seq("b", [0], temperature=0.0)]
+    raw = logits.clone()
+    res = Sampler(0)(logits, seqs)
+    assert torch.equal(logits[0], torch.tensor([2.0, 3.0, -2.0, 0.5]))  # token 0 halved, token 2 doubled
+    assert torch.equal(logits[1], raw[1])  # a row without a penalty is untouched
+    assert res[0].token_id == 1 and res[1].token_id == 0  # greedy follows the penalised logits
+    assert res[0].logprob == pytest.approx(float(torch.log_softmax(raw[0], -1)[1]))  # the model's own logprob
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    # probabilities about 0.6, 0.3, 0.1: min_p 0.4 keeps the tokens at 0.24 and above (the first two)
+    logits = torch.tensor([0.6, 0.3, 0.1]).log().repeat(400, 1)
+    seqs = [_seq(f"r{i}", [0], temperature=1.0, min_p=0.4, seed=i) for i in range(400)]
+    picked = {r.token_id for r in Sampler(0)(logits, seqs)}
+    assert picked == {0, 1}
+    seqs = [_seq(f"r{i}", [0], temperature=1.0, seed=i) for i in range(400)]
+    assert {r.token_id for r in Sampler(0)(logits, seqs)} == {0, 1, 2}
+
+
+def test_min_p_and_repetition_penalty_are_validated_naming_the_field():
+    for kw, field in (
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 11.0}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            SamplingParams(**kw)
+
+
+def test_a_repetition_penalty_steers_greedy_decoding_away_from_seen_tokens(engine):
+    def repeats(out: list[int]) -> list[int]:
+        return [i for i, t in enumerate(out) if t in PROMPT or t in out[:i]]
+
+    plain = greedy(engine, n=40).token_ids
+    first = repeats(plain)[0]  # the demo model repeats itself within 40 tokens
+    penalised = greedy(engine, n=40, repetition_penalty=2.0).token_ids
+    assert repeats(penalised) == [] and penalised[:first] == plain[:first]
+    assert greedy(engine, n=40, repetition_penalty=1.0).token_ids == plain

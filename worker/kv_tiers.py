@@ -18,6 +18,9 @@ the ranks as ``TierOps`` inside each step's plan, so every rank moves its own KV
   an xxh3 digest of the payload. A file that is foreign, stale, truncated, corrupted or of another tenant (or key)
   is a miss: dropped, deleted, and the block is computed.
 * Persistence: at start the disk index is rebuilt from the files' headers (payloads are checked when loaded).
+* Ownership: a rank's folder holds a marker file (``.kvgrid-kv-tier``), written when kvgrid creates the folder or
+  adopts an empty one (or one holding only its block files, from before markers). A non-empty folder without it
+  is refused at start, untouched; kvgrid only ever deletes its own files there (``<hex key>.kvb``, ``.tmp``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import xxhash
 
+from common.config import disk_tier_path, memory_bytes
 from common.events import AllCleared, BlockRemoved, BlockStored, EventSink, KVEvent, Tier
 from worker.block_pool import Block, BlockPool
 
@@ -56,6 +61,8 @@ _MAC_SIZE = 16
 _SUFFIX = ".kvb"
 _MAX_HEADER = _HEADER.size + 3 * 65535 + _MAC_SIZE
 _MAX_NAME = 64  # tenant bytes a file is sized for
+MARKER = ".kvgrid-kv-tier"  # in every folder kvgrid keeps block files in
+_OWN = re.compile(r"^[0-9a-f]+\.(kvb|tmp)$")  # kvgrid's files there: the only ones it deletes
 
 
 @dataclass
@@ -78,6 +85,10 @@ class KVTiersConfig:
                 raise ValueError("kv_tiers.disk_bytes must be > 0 with a disk_path")
             if self.host_bytes <= 0:
                 raise ValueError("kv_tiers.host_bytes must be > 0 with a disk_path (blocks reach disk through host)")
+            try:
+                self.disk_path = disk_tier_path(self.disk_path)
+            except ValueError as exc:
+                raise ValueError(f"kv_tiers.disk_path: {exc}") from None
 
     @property
     def enabled(self) -> bool:
@@ -216,6 +227,29 @@ def file_name(key: bytes) -> str:
     return key.hex() + _SUFFIX
 
 
+def claim(folder: Path) -> None:
+    """Make ``folder`` a block folder of kvgrid's: create it with its ``MARKER``, or adopt it when it is empty
+    or holds only kvgrid's block files (written before markers existed). ``ValueError`` for a folder holding
+    anything else without the marker (it is not kvgrid's: nothing in it is touched) or a path that is no folder."""
+    marker = folder / MARKER
+    try:
+        if marker.is_file():
+            return
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"kv_tiers.disk_path: {folder} exists and is not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        foreign = sorted(p.name for p in folder.iterdir() if not _OWN.match(p.name))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ValueError(
+                f"kv_tiers.disk_path: {folder} holds files kvgrid did not write ({shown}) and no {MARKER} marker; "
+                "give the disk tier a folder of its own (empty, or one kvgrid made)"
+            )
+        marker.write_text("kvgrid keeps KV cache block files here and deletes its own (*.kvb, *.tmp) as it sees fit.\n")
+    except OSError as exc:
+        raise ValueError(f"kv_tiers.disk_path: cannot use {folder}: {exc.strerror or exc}") from None
+
+
 # -- every rank: the bytes --------------------------------------------------------------------------------------
 
 
@@ -240,6 +274,9 @@ class TierStore:
         for d in block_shape:
             self.block_bytes *= d
         self.fingerprint, self.mkey = fingerprint, mac_key(secret)
+        memory = memory_bytes()
+        if memory is not None and config.host_bytes > memory:
+            raise ValueError(f"kv_tiers.host_bytes ({config.host_bytes}) is more than this node's memory ({memory})")
         self.num_host_slots = config.host_bytes // self.block_bytes if config.enabled else 0
         pin = device.type == "cuda"
         # Not zeroed: a slot is read only after a block was copied into it (and pages are touched as slots fill).
@@ -252,7 +289,7 @@ class TierStore:
         self.write_errors = 0
         if config.disk_path is not None and self.num_host_slots:
             self.dir = Path(config.disk_path) / f"tp{tp_size}-rank{tp_rank}"
-            self.dir.mkdir(parents=True, exist_ok=True)
+            claim(self.dir)
             self.file_bytes = self._file_size()
             self.num_disk_slots = config.disk_bytes // self.file_bytes
             self._writer = threading.Thread(target=self._write_loop, name="kvgrid-kv-disk", daemon=True)
@@ -369,7 +406,7 @@ class TierStore:
                 elif item[0] == "keep":
                     names = {file_name(k) for k in item[1]}
                     for path in self.dir.iterdir():
-                        if path.suffix == ".tmp" or (path.suffix == _SUFFIX and path.name not in names):
+                        if _OWN.match(path.name) and path.name not in names:  # (every .tmp, stray .kvb files)
                             path.unlink(missing_ok=True)
                 else:
                     (self.dir / file_name(item[1])).unlink(missing_ok=True)
@@ -401,10 +438,10 @@ class TierStore:
         assert self.dir is not None
         found: list[tuple[float, BlockHeader]] = []
         for path in self.dir.iterdir():
+            if not _OWN.match(path.name):  # not kvgrid's: left alone
+                continue
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
-                continue
-            if path.suffix != _SUFFIX:
                 continue
             try:
                 st = path.stat()

@@ -1,4 +1,5 @@
-"""Picks each sequence's next token from its logits: greedy, or temperature with top-k / top-p.
+"""Picks each sequence's next token from its logits: greedy, or temperature with top-k / min-p / top-p, after a
+repetition penalty where a request asks for one.
 
 Sampling never raises for parameters ``SamplingParams`` accepts, whatever the logits hold (tiny ``top_p``,
 extreme temperatures, ``inf`` or ``NaN`` logits). If something still fails for one row, that row's result is
@@ -43,6 +44,10 @@ class Sampler:
             if any(s.params.logprobs is not None for s in seqs):
                 raw = logits.clone()  # log-probabilities come from the model's distribution, not the masked one
             failed = self._mask(logits, seqs)
+        if any(s.params.repetition_penalty != 1.0 for s in seqs):
+            if raw is logits and any(s.params.logprobs is not None for s in seqs):
+                raw = logits.clone()  # log-probabilities stay the model's
+            failed.update(self._penalize(logits, seqs, failed))
         try:
             batch = self._prepare(logits, raw, seqs)  # one device round trip for the whole batch
         except Exception:
@@ -100,6 +105,26 @@ class Sampler:
         return failed
 
     @staticmethod
+    def _penalize(logits: torch.Tensor, seqs: list[Sequence], failed: dict[int, Exception]) -> dict[int, Exception]:
+        """Apply the rows' repetition penalties in place (vLLM's and transformers' rule: the logit of every token
+        already in the prompt or the output is divided by the penalty when positive, multiplied when negative).
+        Returns the rows that failed."""
+        out: dict[int, Exception] = {}
+        with torch.inference_mode():  # the model's logits are inference tensors: written in place in this mode
+            for i, seq in enumerate(seqs):
+                penalty = seq.params.repetition_penalty
+                if penalty == 1.0 or i in failed:
+                    continue
+                try:
+                    ids = torch.tensor(seq.token_ids, device=logits.device).unique()
+                    ids = ids[ids < logits.shape[1]]
+                    seen = logits[i, ids]
+                    logits[i, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+                except Exception as exc:
+                    out[i] = exc
+        return out
+
+    @staticmethod
     def _prepare(
         logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], torch.Tensor | None]:
@@ -130,6 +155,8 @@ class Sampler:
             kth = row.topk(p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = row.softmax(-1)
+        if p.min_p > 0.0:  # the most likely token always stays
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             # Keep the smallest set whose mass reaches top_p (the token that crosses it included). The most

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from fastapi import Request
 
 from common.outputs import RequestOutput
-from router.gateway.chat import ChatPrompt
+from router.gateway.chat import ChatPrompt, special_texts
 from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
 from router.gateway.protocol import (
     AnthropicError,
@@ -100,6 +100,24 @@ class Claim(NamedTuple):
         return CacheCreation(ephemeral_5m_input_tokens=n - long, ephemeral_1h_input_tokens=long)
 
 
+def _breakpoints(body: MessagesRequest) -> list[tuple[str, CacheControl, str | None]]:
+    """(field, cache_control, the block's text for a text block) of every breakpoint, in request order: tools,
+    system, messages."""
+    out: list[tuple[str, CacheControl, str | None]] = []
+    for k, tool in enumerate(body.tools or []):
+        if tool.cache_control:
+            out.append((f"tools.{k}.cache_control", tool.cache_control, None))
+    for k, b in enumerate(body.system or []):
+        if b.cache_control:
+            out.append((f"system.{k}.cache_control", b.cache_control, b.text))
+    for i, m in enumerate(body.messages):
+        for j, block in enumerate(m.content):
+            if block.cache_control:
+                text = block.text if isinstance(block, ContentBlock) else None
+                out.append((f"messages.{i}.content.{j}.cache_control", block.cache_control, text))
+    return out
+
+
 class AnthropicApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
@@ -112,15 +130,21 @@ class AnthropicApi:
     @routes.post("/{tenant}/v1/messages/count_tokens")
     async def count_tokens(self, tenant: str, request: Request):
         """The prompt tokens a messages request with this body would have (system, tools, messages and any
-        cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``."""
+        cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``. A request
+        like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.auth(tenant, request, API)
+        return await self.gw.held(t, API, self._count_tokens(t, request))
+
+    async def _count_tokens(self, t: Tenant, request: Request):
         gw = self.gw
+        await gw.admit_request(t, API)
         body: CountTokensBody = await gw.body(request, CountTokensBody, API)
         gw.check_model(body.model, API)
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
         prefix, _ = await gw.cached_prefix(t, body.cached_content, API)
-        chat, _ = self._prompt(t, body)
+        chat, _ = await self._prompt(t, body)
+        gw.check_size(t, len(prefix) + len(chat.token_ids), 0, API)
         return TokenCount(input_tokens=len(prefix) + len(chat.token_ids))
 
     async def _messages(self, t: Tenant, request: Request):
@@ -130,9 +154,10 @@ class AnthropicApi:
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
         prefix, cc_ttl = await gw.cached_prefix(t, body.cached_content, API)
-        tooling = self._tooling(body)
-        chat, marks = self._prompt(t, body, tooling)
+        tooling = await self._tooling(t, body)
+        chat, marks = await self._prompt(t, body, tooling)
         prompt = prefix + chat.token_ids
+        gw.check_context(prompt, body.max_tokens, "max_tokens", API)
         await gw.admit(t, prompt, body.max_tokens, API)
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
         bs = gw.config.block_size
@@ -194,10 +219,10 @@ class AnthropicApi:
                 reason = "tool_use" if out.finish_reason == "stop" else reason
         return self._reply(mid, content, reason, _stop_sequence(out), self._usage(t, out, claim))
 
-    @staticmethod
-    def _tooling(body: MessagesRequest) -> Tooling:
-        try:
-            return anthropic_tooling(body)
+    async def _tooling(self, t: Tenant, body: MessagesRequest) -> Tooling:
+        specials = special_texts(self.gw.tokenizer)
+        try:  # the tools' schemas are compiled to check them: off the event loop
+            return await self.gw.compute(t, anthropic_tooling, body, specials, inline=not body.tools)
         except ValueError as exc:
             raise err(400, str(exc), API) from None
 
@@ -218,17 +243,32 @@ class AnthropicApi:
             usage=usage,
         )
 
-    def _prompt(
+    async def _prompt(
         self, t: Tenant, body: MessagesRequest, tooling: Tooling | None = None
     ) -> tuple[ChatPrompt, list[tuple[int, float]]]:
         """The chat prompt, and (character end in its text, TTL) of each ``cache_control`` breakpoint. Tools go
         through the chat template (``tooling.template``); a user turn's ``tool_result`` blocks become ``tool``
         messages before its text, an assistant turn's ``tool_use`` blocks its ``tool_calls``."""
-        tooling = tooling or self._tooling(body)
+        tooling = tooling or await self._tooling(t, body)
         marked: list[tuple[int, str, float]] = []  # (message index, text, ttl); index -1: a tool definition
 
-        def ttl(cc: CacheControl) -> float:
-            return self.gw.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, "cache_control.ttl", API)
+        def ttl(cc: CacheControl, field: str = "cache_control.ttl") -> float:
+            return self.gw.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, field, API)
+
+        shortest: tuple[float, str] | None = None  # Anthropic's rule: longer TTLs come before shorter ones
+        for where, cc, text in _breakpoints(body):
+            if text == "":
+                raise err(400, f"{where}: cache_control cannot be set on an empty text block", API)
+            seconds = ttl(cc, f"{where}.ttl")
+            if shortest is not None and seconds > shortest[0]:
+                raise err(
+                    400,
+                    f"{where}.ttl: a breakpoint of {seconds:g}s may not follow one of {shortest[0]:g}s "
+                    f"({shortest[1]}): breakpoints with longer TTLs must come before shorter ones",
+                    API,
+                )
+            if shortest is None or seconds < shortest[0]:
+                shortest = (seconds, where)
 
         for tool, form in zip(body.tools or [], tooling.template or []):
             if tool.cache_control:
@@ -267,7 +307,7 @@ class AnthropicApi:
             )
         if len(marked) > MAX_BREAKPOINTS:
             raise err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", API)
-        chat = self.gw.chat(messages, API, tools=tooling.template)
+        chat = await self.gw.chat(t, messages, API, tools=tooling.template)
         marks, pos = [], 0
         for idx, piece, seconds in marked:
             if idx < 0:  # a tool definition: where the template put its JSON

@@ -89,7 +89,7 @@ class CachedContentsApi:
         if not text:
             raise err(400, "contents: a cached content needs some text", API)
         ttl = self._ttl(t, body.ttl)
-        tokens = gw.chat([{"role": "system", "content": text}], API, generation=False).token_ids
+        tokens = (await gw.chat(t, [{"role": "system", "content": text}], API, generation=False)).token_ids
         return (await create_content(gw, t, {"text": text}, tokens, ttl, request, API)).public()
 
     @routes.get("/{tenant}/v1/cachedContents")

@@ -137,6 +137,25 @@ def _special_ids(tokenizer) -> set[int]:
     return {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
 
 
+_SPECIAL_TEXTS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The text of every special token (what a grammar must not make the model write: router/gateway/tools.py),
+    cached per tokenizer object."""
+    try:
+        known = _SPECIAL_TEXTS.get(tokenizer)
+    except TypeError:  # not weakly referable: no cache
+        known = None
+    if known is None:
+        known = tuple(t for t in tokenizer.convert_ids_to_tokens(sorted(_special_ids(tokenizer))) if t)
+        try:
+            _SPECIAL_TEXTS[tokenizer] = known
+        except TypeError:
+            pass
+    return known
+
+
 def _encode(tokenizer, text: str, plain_text: bool) -> tuple[list[int], list[tuple[int, int]]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=plain_text)
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]

@@ -12,9 +12,12 @@ Errors are raised as ``ApiError``, which each API answers in its own format."""
 import asyncio
 import logging
 import math
+import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -94,6 +97,21 @@ CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its backgroun
 # call per event cost the router about as much CPU as routing (2 of its 3 calls a request; measured on 2 cores
 # under 32 streams, the router's CPU per token fell from 66-72 to 43-46 us without them).
 REPORT_INTERVAL_S = 0.05
+# CPU-heavy work of a request (tokenizing, chat templates, grammar checks, building and serialising a large answer)
+# runs in a pool of this many threads, never on the event loop; a tenant occupies at most CPU_SHARE of them, so
+# another tenant finds one. Tokenizing happens in Rust without the GIL (measured: 2 Mi characters tokenized
+# in a thread held the loop for 0.2 s at most, converting the offsets; on the loop itself, 2-3 s).
+CPU_WORKERS = max(2, min(4, os.cpu_count() or 2))
+CPU_SHARE = max(1, CPU_WORKERS // 2)
+# Shorter texts are tokenized on the loop: a chat template and tokenizing take 1-2 ms there (measured on 2 busy
+# cores), a queue behind other tenants' jobs in the pool could take longer.
+INLINE_CHARS = 1024
+# A token covers at most the characters of its longest vocabulary entry; a normalizer may compose up to this many
+# characters into one (NFC: a Hangul syllable, a letter and its accents) before that.
+NORMALIZED_CHARS = 4
+# What the error of a request the engine failed on its grammar says (worker/structured.py GrammarError): a 400,
+# worded here, not the grammar engine's internals.
+GRAMMAR_FAILED = "GrammarError: "
 
 routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to one Gateway by create_app
 # This request's chat prompt (messages, generation prompt, token ids, tools), which ``admit`` samples for the cache
@@ -193,6 +211,13 @@ def group_failure(exc: Exception, group: str, api: str) -> Exception:
         return err(400, str(exc), api)
     if isinstance(exc, RequestAborted):
         return err(503, "the request was aborted on its worker group; retry it", api)
+    if isinstance(exc, RequestFailed) and GRAMMAR_FAILED in str(exc):  # a grammar the gateway's checks let by
+        return err(
+            400,
+            "the structured output (response_format or a forced tool call) is too complex for the grammar engine; "
+            "simplify its schema",
+            api,
+        )
     if isinstance(exc, RequestFailed):  # the engine failed this request alone; its group keeps serving
         return ApiError(
             500,
@@ -533,6 +558,54 @@ async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncGenerator
         await stream.aclose()
 
 
+def _chars_per_token(tokenizer) -> int:
+    """The most characters of a text that one token can cover: its longest vocabulary entry (a byte-level entry's
+    characters are bytes, at least as many as the text's characters), times ``NORMALIZED_CHARS`` when a normalizer
+    may first compose several characters into one."""
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = backend is not None and backend.normalizer is None
+    return max(1, longest) * (1 if plain else NORMALIZED_CHARS)
+
+
+class CpuPool:
+    """The threads that do a replica's CPU-heavy request work off its event loop, shared fairly: a tenant runs at
+    most ``per_tenant`` jobs at once (its further jobs wait for one of its own to end), so with ``per_tenant`` below
+    ``workers`` no tenant alone occupies every worker, and the queue in front of them holds at most ``per_tenant``
+    jobs of each tenant. A job counts against its tenant until its thread is done with it, also when the request
+    that waited for it has gone."""
+
+    def __init__(self, workers: int, per_tenant: int, initializer: Callable[[], None] | None = None) -> None:
+        self.workers, self.per_tenant = workers, per_tenant
+        self._executor = ThreadPoolExecutor(workers, "kvgrid-cpu", initializer=initializer)
+        self._shares: dict[str, asyncio.Semaphore] = {}
+
+    async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = asyncio.Semaphore(self.per_tenant)
+        await share.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            job = self._executor.submit(fn, *args)
+        except BaseException:
+            share.release()
+            raise
+
+        def done(_: object) -> None:
+            try:
+                loop.call_soon_threadsafe(share.release)
+            except RuntimeError:  # the loop has closed: nothing waits for the share any more
+                pass
+
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
+
+    def close(self) -> None:
+        """Drop the jobs not started; the running ones end on their own (the threads are not waited for)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
 # -- the gateway -----------------------------------------------------------------------------------------------
 
 
@@ -547,7 +620,12 @@ class Gateway:
         self.config = config
         self.model_id = config.model_id
         self.keys = keys
+        # The event loop's tokenizer: no other thread uses it (a transformers tokenizer keeps per-call settings on
+        # itself, such as whether special-token text is matched); each thread of ``cpu`` loads its own.
         self.tokenizer = load_tokenizer(model_path)
+        self._local = threading.local()
+        self.cpu = CpuPool(CPU_WORKERS, CPU_SHARE, lambda: self._load_thread_tokenizer(model_path))
+        self.chars_per_token = _chars_per_token(self.tokenizer)
         # Token ids a prompt may hold: below this. Read once: len() of a transformers tokenizer rebuilds its whole
         # vocabulary (a per-token check with it cost about 1 ms per 2k-token prompt).
         self.vocab_size = len(self.tokenizer)
@@ -576,6 +654,9 @@ class Gateway:
             )
             for t in config.tenants
         }
+        # The same request counters without the token ones: what a request that generates nothing (count_tokens)
+        # counts against.
+        self._request_rates = {t.name: RateLimiter(self.redis, t.limits.requests_per_s, None) for t in config.tenants}
         self._background: set[asyncio.Task] = set()
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
         self.keep_alive = KeepAlive(self)  # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
@@ -585,6 +666,7 @@ class Gateway:
         """When the replica stops, on the loop that served it: let the background writes started by finished
         requests (cache entries, deletes) end, write the usage still buffered (Redis permitting), close Redis."""
         await self.keep_alive.close()
+        self.cpu.close()
         self.reports.flush()
         if self._background:
             await asyncio.wait(set(self._background), timeout=CLOSE_BACKGROUND_S)
@@ -646,26 +728,62 @@ class Gateway:
         except BodyError as exc:
             raise err(exc.status, exc.message, api) from None
 
+    def check_context(self, prompt: list[int], max_tokens: int, field: str, api: str) -> None:
+        """400 naming ``field`` when a ``max_tokens`` the client gave does not fit in the context after the prompt
+        (a default one is capped by the engine instead; a prompt that alone fills it is ``admit``'s 413)."""
+        n, ctx = len(prompt), self.max_model_len
+        if n < ctx < n + max_tokens:
+            raise err(
+                400,
+                f"{field}: this model's maximum context length is {ctx} tokens; however, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Reduce the "
+                f"prompt or {field} (at most {ctx - n} here)",
+                api,
+            )
+
     async def admit(self, t: Tenant, prompt: list[int], max_tokens: int, api: str) -> None:
         """Check the prompt's length and the tenant's limits before any work is done for it."""
         if not prompt:
             raise err(400, "the prompt is empty", api)
-        if len(prompt) >= self.max_model_len:
-            raise err(413, f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len}", api)
-        lim = t.config.limits
-        if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
-            raise err(413, f"the prompt has {len(prompt)} tokens; this tenant may send {lim.max_prompt_tokens}", api)
-        if lim.tokens_per_min is not None and len(prompt) + max_tokens > lim.tokens_per_min:
-            raise err(
-                413,
-                f"the prompt and max tokens ({len(prompt) + max_tokens}) exceed this tenant's "
-                f"{lim.tokens_per_min} tokens per minute",
-                api,
-            )
+        self.check_size(t, len(prompt), max_tokens, api)
         retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
         self.sample(t, prompt)
+
+    def check_size(self, t: Tenant, n: int, max_tokens: int, api: str) -> None:
+        """413 for a prompt of ``n`` tokens that the context, or the tenant's limits, do not take."""
+        if n >= self.max_model_len:
+            raise err(413, f"the prompt has {n} tokens; the context is {self.max_model_len}", api)
+        lim = t.config.limits
+        if lim.max_prompt_tokens is not None and n > lim.max_prompt_tokens:
+            raise err(413, f"the prompt has {n} tokens; this tenant may send {lim.max_prompt_tokens}", api)
+        if lim.tokens_per_min is not None and n + max_tokens > lim.tokens_per_min:
+            raise err(
+                413,
+                f"the prompt and max tokens ({n + max_tokens}) exceed this tenant's {lim.tokens_per_min} tokens "
+                "per minute",
+                api,
+            )
+
+    def check_chars(self, t: Tenant, chars: int, api: str) -> None:
+        """413 for a prompt that ``chars`` characters of its text make longer than ``check_size`` takes, before it is
+        tokenized: no token covers more than ``chars_per_token`` of them, so it has more tokens than that."""
+        lim = t.config.limits
+        tokens = min(n for n in (self.max_model_len - 1, lim.max_prompt_tokens, lim.tokens_per_min) if n is not None)
+        if chars > tokens * self.chars_per_token:
+            raise err(
+                413,
+                f"the prompt has {chars} characters: more than {tokens} tokens hold (one holds at most "
+                f"{self.chars_per_token} characters here; the context is {self.max_model_len} tokens)",
+                api,
+            )
+
+    async def admit_request(self, t: Tenant, api: str) -> None:
+        """Count a request that generates nothing (count_tokens) against the tenant's request rate: 429 past it."""
+        retry_after = await self._request_rates[t.name].admit(t.name, 0)
+        if retry_after is not None:
+            raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
 
     def sample(self, t: Tenant, prompt: list[int]) -> None:
         """Keep an admitted prompt in the tenant's advisor sample (``advice: {sample: N}``; off by default): the
@@ -686,20 +804,54 @@ class Gateway:
 
     # -- prompts and parameters --------------------------------------------------------------------------------
 
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _load_thread_tokenizer(self, model_path: str) -> None:
+        self._local.tokenizer = load_tokenizer(model_path)
 
-    def chat(
-        self, messages: list[dict[str, Any]], api: str, generation: bool = True, tools: list[dict] | None = None
+    def thread_tokenizer(self):
+        """The tokenizer of the calling thread: a ``cpu`` worker's own, else the event loop's."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        return self.tokenizer if tokenizer is None else tokenizer
+
+    async def compute(self, t: Tenant, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """``fn(*args)`` in the tenant's share of the worker pool (``CpuPool``); on the loop when ``inline`` (work too
+        small to be worth a thread)."""
+        return fn(*args) if inline else await self.cpu.run(t.name, fn, *args)
+
+    async def encode_text(self, t: Tenant, text: str, api: str) -> list[int]:
+        """A completion's text prompt as token ids (special-token text matched: it is the caller's own template);
+        413 at once for one too long by its characters alone."""
+        self.check_chars(t, len(text), api)
+        return await self.compute(t, self._encode_text, text, inline=len(text) <= INLINE_CHARS)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.thread_tokenizer().encode(text, add_special_tokens=False)
+
+    async def chat(
+        self,
+        t: Tenant,
+        messages: list[dict[str, Any]],
+        api: str,
+        generation: bool = True,
+        tools: list[dict] | None = None,
     ) -> ChatPrompt:
         """The chat template applied to ``messages`` (every API's one way to a chat prompt), with ``tools`` (function
-        definitions, router/gateway/tools.py); their texts never become special tokens (router/gateway/chat.py)."""
+        definitions, router/gateway/tools.py); their texts never become special tokens (router/gateway/chat.py).
+        Messages too long for the tenant by their characters alone get 413 before the template; the rest is
+        rendered and tokenized in the worker pool unless it is short."""
+        chars = sum(len(m["content"].strip()) for m in messages if isinstance(m.get("content"), str))
+        self.check_chars(t, chars, api)
+        inline = chars <= INLINE_CHARS and not tools and not any(m.get("tool_calls") for m in messages)
         try:
-            prompt = encode_chat(self.tokenizer, messages, add_generation_prompt=generation, tools=tools)
+            prompt = await self.compute(t, self._encode_chat, messages, generation, tools, inline=inline)
         except ChatTemplateError as exc:
             raise err(400, f"messages: {exc}", api) from None
         _CHAT.set((messages, generation, prompt.token_ids, tools))  # for the advisor's sample (``sample``)
         return prompt
+
+    def _encode_chat(
+        self, messages: list[dict[str, Any]], generation: bool, tools: list[dict] | None = None
+    ) -> ChatPrompt:
+        return encode_chat(self.thread_tokenizer(), messages, add_generation_prompt=generation, tools=tools)
 
     async def cached_prefix(self, t: Tenant, cid: str | None, api: str) -> tuple[list[int], float]:
         """Token ids and remaining TTL of a referenced cached content object."""
@@ -722,6 +874,9 @@ class Gateway:
         top_k: int = 0,
         ignore_eos: bool = False,
         structured_output: StructuredOutput | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop_token_ids: list[int] | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -729,7 +884,10 @@ class Gateway:
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
                 stop=stop or [],
+                stop_token_ids=stop_token_ids or [],
                 seed=seed,
                 ignore_eos=ignore_eos,
                 structured_output=structured_output,

@@ -172,7 +172,8 @@ class GeminiApi:
         if body.cachedContent is not None and body.systemInstruction is not None:
             raise err(400, "systemInstruction: a request with cachedContent takes the cached content's", API)
         prefix, ttl = await gw.cached_prefix(t, body.cachedContent, API)
-        prompt = prefix + gw.chat(_messages(body.contents, body.systemInstruction, "contents"), API).token_ids
+        chat = await gw.chat(t, _messages(body.contents, body.systemInstruction, "contents"), API)
+        prompt = prefix + chat.token_ids
         return prompt, len(prefix), ttl
 
     def _params(self, g: GeminiGenerationConfig) -> SamplingParams:
@@ -191,6 +192,8 @@ class GeminiApi:
         body: GenerateContentRequest = await gw.body(request, GenerateContentRequest, API)
         prompt, pin, ttl = await self._prompt(t, model, body)
         params = self._params(body.generationConfig)
+        if body.generationConfig.maxOutputTokens is not None:  # asked for: refused if it does not fit
+            gw.check_context(prompt, params.max_tokens, "generationConfig.maxOutputTokens", API)
         await gw.admit(t, prompt, params.max_tokens, API)
 
         def account(out: RequestOutput, predicted: int) -> None:
@@ -240,16 +243,22 @@ class GeminiApi:
 
     @routes.post("/{tenant}/v1beta/models/{model}:countTokens")
     async def count_tokens(self, tenant: str, model: str, request: Request):
+        """A request like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.auth(tenant, request, API)
+        return await self.gw.held(t, API, self._count_tokens(t, model, request))
+
+    async def _count_tokens(self, t: Tenant, model: str, request: Request):
         gw = self.gw
+        await gw.admit_request(t, API)
         body: CountTokensRequest = await gw.body(request, CountTokensRequest, API)
         if body.generateContentRequest is not None:
             prompt, cached, _ = await self._prompt(t, model, body.generateContentRequest)
         elif body.contents:
             gw.check_model(model, API)
-            prompt, cached = gw.chat(_messages(body.contents, None, "contents"), API).token_ids, 0
+            prompt, cached = (await gw.chat(t, _messages(body.contents, None, "contents"), API)).token_ids, 0
         else:
             raise err(400, "contents: give contents or a generateContentRequest to count", API)
+        gw.check_size(t, len(prompt), 0, API)
         return CountTokensReply(totalTokens=len(prompt), cachedContentTokenCount=cached or None)
 
     # -- cached contents ----------------------------------------------------------------------------------------
@@ -279,7 +288,7 @@ class GeminiApi:
         if not any(m["content"] for m in messages):
             raise err(400, "contents: a cached content needs a system instruction or contents with text", API)
         ttl = _lifetime(gw, t, body.ttl, body.expireTime)
-        tokens = gw.chat(messages, API, generation=False).token_ids
+        tokens = (await gw.chat(t, messages, API, generation=False)).token_ids
         meta = {"model": f"models/{gw.model_id}", "displayName": body.displayName}
         return self._public(await create_content(gw, t, meta, tokens, ttl, request, API))
 

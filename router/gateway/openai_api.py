@@ -7,12 +7,15 @@ router/gateway/protocol.py; admission, routing and accounting are the ``Gateway`
 # No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
 
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from common.outputs import RequestOutput, merge_choices
+from router.gateway.chat import special_texts
 from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, primed, watched
 from router.gateway.protocol import (
     AssistantMessage,
@@ -47,6 +50,7 @@ API = "openai"
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_PIN_TTL_S = 300.0  # how long the part of a prompt that is a cached content stays pinned, at least
 PROMPT_CACHE_24H_S = 24 * 3600.0  # prompt_cache_retention "24h"
+INLINE_CELLS = 4096  # an answer of fewer tokens and alternatives is built on the event loop (a thread hop costs more)
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf (or NaN) is reported as: JSON has no infinity
 
 routes = Routes()  # bound to one OpenAIApi by create_app
@@ -95,6 +99,19 @@ class TokenTexts:
         return hit
 
 
+def _tooling(body: ChatRequest, specials: tuple[str, ...]) -> Tooling:
+    return openai_tooling(body, response_format(body.response_format, specials), specials)
+
+
+def _json(reply: ChatCompletion | TextCompletion) -> bytes:
+    """``reply.model_dump_json()``, a choice at a time: serialising holds the GIL, and so the event loop, throughout
+    (half a second for one 40 MB answer), a choice's only for milliseconds."""
+    head = reply.model_copy(update={"choices": []}).model_dump_json()
+    at = head.index('"choices":[]') + len('"choices":[')  # the key (in a string value its quotes are escaped)
+    choices = ",".join(choice.model_dump_json() for choice in reply.choices)
+    return f"{head[:at]}{choices}{head[at:]}".encode()
+
+
 async def finals(run: Run) -> list[RequestOutput]:
     """The last output of each of a request's choices, in index order."""
     lasts: dict[int, RequestOutput] = {}
@@ -106,13 +123,15 @@ async def finals(run: Run) -> list[RequestOutput]:
 class OpenAIApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-        self._token_texts: TokenTexts | None = None
+        self._local = threading.local()
 
     @property
     def token_texts(self) -> TokenTexts:
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(self.gw.tokenizer)
-        return self._token_texts
+        """The calling thread's (a tokenizer is used by one thread only: ``Gateway.thread_tokenizer``)."""
+        texts = getattr(self._local, "texts", None)
+        if texts is None:
+            texts = self._local.texts = TokenTexts(self.gw.thread_tokenizer())
+        return texts
 
     @routes.get("/{tenant}/v1/models")
     async def models(self, tenant: str, request: Request):
@@ -137,12 +156,17 @@ class OpenAIApi:
         body: ChatRequest = await self._read(request, ChatRequest)
         try:
             messages = openai_messages(body.messages)
-            tooling = openai_tooling(body, response_format(body.response_format))
+            specials = special_texts(gw.tokenizer)
+            schemas = bool(body.tools) or body.response_format is not None  # compiled to check them: off the loop
+            tooling = await gw.compute(t, _tooling, body, specials, inline=not schemas)
         except ValueError as exc:
             raise err(400, str(exc), API) from None
         prefix, ttl = await gw.cached_prefix(t, body.cached_content, API)
-        prompt = prefix + gw.chat(messages, API, tools=tooling.template).token_ids
+        prompt = prefix + (await gw.chat(t, messages, API, tools=tooling.template)).token_ids
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        if body.max_completion_tokens or body.max_tokens:  # asked for: refused if it does not fit, never capped
+            field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            gw.check_context(prompt, max_tokens, field, API)
         return await self._respond(t, request, body, prompt, len(prefix), ttl, max_tokens, chat=True, tooling=tooling)
 
     @routes.post("/{tenant}/v1/completions")
@@ -154,9 +178,11 @@ class OpenAIApi:
         gw = self.gw
         body: CompletionRequest = await self._read(request, CompletionRequest)
         prefix, ttl = await gw.cached_prefix(t, body.cached_content, API)
-        tokens = gw.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        tokens = await gw.encode_text(t, body.prompt, API) if isinstance(body.prompt, str) else list(body.prompt)
         if tokens and not (0 <= min(tokens) and max(tokens) < gw.vocab_size):
             raise err(400, "prompt: token id outside the vocabulary", API)
+        if "max_tokens" in body.model_fields_set:  # the default (16) is capped by the engine instead
+            gw.check_context(prefix + tokens, body.max_tokens, "max_tokens", API)
         return await self._respond(t, request, body, prefix + tokens, len(prefix), ttl, body.max_tokens, chat=False)
 
     async def _respond(
@@ -183,8 +209,12 @@ class OpenAIApi:
             body.stop,
             body.seed,
             API,
+            body.top_k,
             ignore_eos=body.ignore_eos,
             structured_output=tooling.structured,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            stop_token_ids=body.stop_token_ids,
         )
         params.logprobs = self._logprobs_asked(body)  # bounded by the request model (at most MAX_LOGPROBS)
         if body.prompt_cache_retention == "24h":  # the prompt's blocks stay pinned, within the tenant's pin limits
@@ -213,11 +243,27 @@ class OpenAIApi:
             return SlotStream(self._stream(t, run, rid, created, usage_wanted, chat, body.n, tooling))
         outs = await finals(run)
         usage = self._usage(t, merge_choices(outs))
+        # Built and serialised in the worker pool when large (n choices, logprobs: 64 choices of 100 tokens with 20
+        # alternatives each held the event loop for 3.7 s).
+        cells = sum(len(out.token_ids) for out in outs) * (1 if params.logprobs is None else 2 + params.logprobs)
+        return await gw.compute(t, self._whole, rid, created, usage, outs, chat, tooling, inline=cells <= INLINE_CELLS)
+
+    def _whole(
+        self,
+        rid: str,
+        created: int,
+        usage: OpenAIUsage,
+        outs: list[RequestOutput],
+        chat: bool,
+        tooling: Tooling,
+    ) -> Response:
+        """A whole (not streamed) answer, as the JSON response."""
+        reply: ChatCompletion | TextCompletion
         if chat:
-            return ChatCompletion(
+            reply = ChatCompletion(
                 id=rid,
                 created=created,
-                model=gw.model_id,
+                model=self.gw.model_id,
                 usage=usage,
                 choices=[
                     ChatChoice(
@@ -230,21 +276,23 @@ class OpenAIApi:
                     for message in [self._message(out, tooling)]
                 ],
             )
-        return TextCompletion(
-            id=rid,
-            created=created,
-            model=gw.model_id,
-            usage=usage,
-            choices=[
-                CompletionChoice(
-                    index=out.index,
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    logprobs=self._completion_logprobs(out, len(out.token_ids), 0),
-                )
-                for out in outs
-            ],
-        )
+        else:
+            reply = TextCompletion(
+                id=rid,
+                created=created,
+                model=self.gw.model_id,
+                usage=usage,
+                choices=[
+                    CompletionChoice(
+                        index=out.index,
+                        text=out.text,
+                        finish_reason=out.finish_reason,
+                        logprobs=self._completion_logprobs(out, len(out.token_ids), 0),
+                    )
+                    for out in outs
+                ],
+            )
+        return Response(_json(reply), media_type="application/json")
 
     @staticmethod
     def _message(out: RequestOutput, tooling: Tooling) -> AssistantMessage:

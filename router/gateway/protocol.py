@@ -4,8 +4,11 @@ response bodies and stream chunks, as pydantic models.
 Every field kvgrid reads is type-checked strictly (no string-to-number or number-to-string coercion, no NaN or
 infinity) and bounded, so a malformed body is answered 400 with the failing field's location, never a crash later
 on. Unknown fields are ignored, as the hosted APIs do for fields they add over time; a few common fields the
-engine does not apply (penalties, ``logit_bias``, ``audio``, ``modalities``, ``echo``, ...) are declared so that
-a request setting them is refused by name (``unsupported``) instead of being silently ignored. Content parts
+engine does not apply (frequency and presence penalties, ``logit_bias``, ``audio``, ``modalities``, ``echo``,
+vLLM's ``guided_*``, ``min_tokens``, ``use_beam_search``, ...) are declared so that a request setting them is
+refused by name (``unsupported``) instead of being silently ignored. vLLM's sampling extras ``top_k``, ``min_p``,
+``repetition_penalty`` and ``stop_token_ids`` are honoured on the OpenAI endpoints. Tool names follow the APIs'
+rule (``^[a-zA-Z0-9_-]{1,64}$``). Content parts
 other than text, tool calls and tool results (images, documents) are refused: the served model reads text only.
 Tools, tool calls and ``response_format`` are router/gateway/tools.py's.
 
@@ -29,11 +32,12 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from common.config import parse_duration
 from common.errors import validation_message
-from common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from common.sampling import MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 # Each text field alone; the gateway's 4 MiB body limit bounds the whole request.
 MAX_TEXT_CHARS = 2**21
@@ -53,6 +57,8 @@ class _Body(BaseModel):
 
 
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+# A tool (function) name, as OpenAI and Anthropic define it: it is generated verbatim in a forced call's output.
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
@@ -132,7 +138,7 @@ class ToolCall(_Body):
 
 
 class FunctionDef(_Body):
-    name: Name
+    name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
     strict: bool | None = None
@@ -214,6 +220,11 @@ class _OpenAIRequest(_Body):
     stream_options: StreamOptions | None = None
     cached_content: Name | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    # vLLM's sampling extensions (common/sampling.py SamplingParams): top_k 0 or -1 is no limit.
+    top_k: int = Field(0, ge=-1, lt=2**31)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # Declared so that a value the engine does not apply is refused by name (``unsupported``), never ignored.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -222,15 +233,37 @@ class _OpenAIRequest(_Body):
     # Requests of a tenant with the same key go to the same worker group (router/routing/router.py key_group).
     prompt_cache_key: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY_CHARS)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: the prompt is pinned for 24 h
+    # vLLM's extensions that the engine does not apply, declared so that they are refused by name (and left out of
+    # the API's schema: they are not part of it).
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
+    min_tokens: SkipJsonSchema[Any] = None
+    use_beam_search: SkipJsonSchema[Any] = None
+    length_penalty: SkipJsonSchema[Any] = None
+    bad_words: SkipJsonSchema[Any] = None
 
     def unsupported(self) -> str | None:
         """The 400 message for the first field set to something the engine does not do, naming it (None when
         everything asked for is honoured)."""
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
-                return f"{name}: penalties are not supported by this server (omit it or send 0)"
+                return f"{name}: not supported by this server (omit it or send 0; repetition_penalty is supported)"
         if self.logit_bias:
             return "logit_bias: not supported by this server (omit it or send {})"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return f"{name}: not supported by this server (use response_format, or tools with tool_choice)"
+        if self.min_tokens not in (None, 0):
+            return "min_tokens: not supported by this server (omit it or send 0)"
+        if self.use_beam_search not in (None, False):
+            return "use_beam_search: beam search is not supported by this server"
+        if self.length_penalty not in (None, 1, 1.0):
+            return "length_penalty: not supported by this server (it applies to beam search)"
+        if self.bad_words not in (None, []):
+            return "bad_words: not supported by this server"
         return None
 
 
@@ -288,7 +321,7 @@ class CompletionRequest(_OpenAIRequest):
 
 class CacheControl(_Body):
     type: Literal["ephemeral"]
-    ttl: Annotated[str, Field(max_length=32)] | None = None
+    ttl: Annotated[str, Field(min_length=1, max_length=32)] | None = None  # "5m", "1h" (or any duration)
 
 
 class ContentBlock(_Body):
@@ -355,7 +388,7 @@ class AnthropicMessage(_Body):
 
 
 class AnthropicTool(_Body):
-    name: Name
+    name: ToolName
     description: Text | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None

@@ -8,7 +8,11 @@ decode through HTTP ran at a third of the engine's speed). Here every replica bi
 replica straight to the client. Serve still places, health-checks and restarts the replicas; its proxy is off.
 
 A replica that dies takes its open connections with it (clients retry: both official SDKs do); new connections
-go to the replicas left, and to the replacement once it has bound the port."""
+go to the replicas left, and to the replacement once it has bound the port.
+
+What a connection may cost before it is a request (idle, header and body deadlines, per-client and per-server
+connection caps) is router/gateway/ingress.py's: uvicorn's own ``limit_concurrency`` counted idle sockets, so a
+thousand of them turned every tenant away (issue 33)."""
 
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ import uvicorn
 from fastapi import FastAPI
 from ray import serve
 
-from common.config import ServeConfig
+from common.config import HttpConfig, ServeConfig
 from router.gateway.admin import Admin, create_admin_app
 from router.gateway.app import Gateway, create_app
+from router.gateway.ingress import ConnectionGuard, ConnectionPolicy, connection_cap, protocol_for, quiet_disconnects
 from router.gateway.store import KeyRing
 
 log = logging.getLogger(__name__)
@@ -94,21 +99,27 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 class IngressServer:
     """A uvicorn server on a thread and event loop of its own. ``make_app`` runs on that loop, so everything the
     app creates (Redis clients, background tasks, group subscriptions) lives on the loop that serves it;
-    ``on_stop`` runs there too, after the last connection closed."""
+    ``on_stop`` runs there too, after the last connection closed. It works on at most ``max_ongoing_requests``
+    requests at once (503 with Retry-After past it); its connections keep to ``policy`` (router/gateway/ingress.py;
+    default: ``HttpConfig``'s defaults), counted by ``guard``."""
 
     def __init__(
         self,
         make_app: Callable[[], FastAPI],
         host: str,
         port: int,
-        limit_concurrency: int,
+        max_ongoing_requests: int,
         on_stop: Callable[[], Coroutine[Any, Any, None]] | None = None,
         *,
         keep_alive_s: int,
+        policy: ConnectionPolicy | None = None,
     ) -> None:
         self._make_app, self._address, self._on_stop = make_app, (host, port), on_stop
         self._sock: socket.socket | None = None
-        self._limit, self._keep_alive_s = limit_concurrency, keep_alive_s
+        self._keep_alive_s = keep_alive_s
+        policy = policy if policy is not None else ConnectionPolicy.from_config(HttpConfig())
+        # The fd limit is raised (to the hard limit) and the connection cap sized before anything binds.
+        self.guard = ConnectionGuard(policy, connection_cap(policy.max_connections), max_ongoing_requests)
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -138,14 +149,14 @@ class IngressServer:
 
     async def _serve(self) -> None:
         config = uvicorn.Config(
-            self._make_app(),
+            quiet_disconnects(self._make_app()),
             lifespan="off",
             log_level="warning",
             access_log=False,
-            limit_concurrency=self._limit,
+            limit_concurrency=None,  # it counted idle sockets too: requests and connections are the guard's
             timeout_keep_alive=self._keep_alive_s,
             timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
-            http="httptools" if _has("httptools") else "h11",
+            http=protocol_for(self.guard),  # httptools (uvicorn[standard]) with the guard's deadlines and caps
             ws="none",
         )
         self.server = uvicorn.Server(config)
@@ -172,12 +183,6 @@ class IngressServer:
         if self.server is not None:
             self.server.should_exit = True
         self._thread.join(timeout_s)
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -207,6 +212,7 @@ class GatewayReplica:
             config.http.max_ongoing_requests,
             on_stop=self._close,
             keep_alive_s=config.http.keep_alive_s,
+            policy=ConnectionPolicy.from_config(config.http),
         )
 
     async def _close(self) -> None:

@@ -18,6 +18,10 @@ and how calls are read back out of its output.
 - When a call is forced (OpenAI ``tool_choice`` ``required`` or a named function, Anthropic ``any`` or ``tool``),
   the output is generated under ``call_grammar``: exactly one ``<tool_call>`` block whose JSON has the name of one
   of the allowed tools and arguments valid for that tool's schema; the request then ends (``stop``).
+- Limits (common/json_limits.py), each a ``ValueError`` naming the field (a 400): any tool's schema and any
+  earlier call's arguments nest at most ``MAX_JSON_DEPTH`` levels and a schema holds at most ``MAX_SCHEMA_NODES``
+  values; a schema compiled into a grammar (a forced call's, ``response_format``'s) passes ``check_schema`` and
+  holds no special-token text of the model's tokenizer (the grammar would make the model write that token).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from common.json_limits import MAX_SCHEMA_NODES, check_depth, depth_error
 from common.sampling import JSON_STYLE, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -65,12 +70,52 @@ def call_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def call_grammar(tools: list[Tool], fields: list[str]) -> StructuredOutput:
+def _special_text(schema: Any, specials: tuple[str, ...], field: str) -> None:
+    """``ValueError`` naming ``field`` when text a grammar of ``schema`` would make the model write (property
+    names, ``const`` and ``enum`` values: any key or string outside descriptions) holds a special token's text:
+    the grammar engine would force the token itself (an end-of-turn marker, say)."""
+    if not specials:
+        return
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            texts = [node]
+        elif isinstance(node, list):
+            stack.extend(node)
+            continue
+        elif isinstance(node, dict):
+            texts = list(node)
+            stack.extend(v for k, v in node.items() if k not in _PROSE)
+        else:
+            continue
+        for text in texts:
+            hit = next((tok for tok in specials if tok in text), None)
+            if hit is not None:
+                raise ValueError(
+                    f"{field}: holds {hit!r}, a special token of the served model, which a constrained output "
+                    "cannot write"
+                )
+
+
+_PROSE = frozenset({"description", "title", "$comment", "examples", "default"})  # text no grammar writes
+
+
+def check_tool_schemas(tools: list[Tool], fields: list[str]) -> None:
+    """Every tool's schema, compiled or not (it reaches the chat template): its nesting and size."""
+    for t, field in zip(tools, fields):
+        if check_depth(t.parameters, field) > MAX_SCHEMA_NODES:
+            raise ValueError(f"{field}: the schema has more than {MAX_SCHEMA_NODES} values")
+
+
+def call_grammar(tools: list[Tool], fields: list[str], specials: tuple[str, ...] = ()) -> StructuredOutput:
     """The grammar of one call of one of ``tools``: ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
     with arguments valid for the named tool's schema. ``ValueError`` naming the tool's schema field (``fields``:
-    one per tool, e.g. ``tools.0.function.parameters``) when its schema cannot be compiled into a grammar."""
+    one per tool, e.g. ``tools.0.function.parameters``) when its schema cannot be compiled into a grammar, or
+    holds one of the ``specials`` (the served model's special tokens' texts)."""
     for t, field in zip(tools, fields):
         StructuredOutput("json_schema", json.dumps(t.parameters)).check(field)
+        _special_text(t.parameters, specials, field)
     options = [
         {
             "type": "object",
@@ -130,7 +175,8 @@ def _call(obj: Any, prefix: str) -> Call | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+            check_depth(args, "arguments")
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -139,10 +185,11 @@ def _call(obj: Any, prefix: str) -> Call | None:
 
 def _calls(body: str, prefix: str) -> list[Call] | None:
     """The calls of one block's JSON: an object, or a list of objects (each a call; ``[]`` none). None when it
-    is not that (the block is then text)."""
+    is not that (the block is then text), nesting too deep included."""
     try:
         obj = json.loads(body)
-    except ValueError:
+        check_depth(obj, "tool call")
+    except (ValueError, RecursionError):
         return None
     calls = [_call(item, prefix) for item in (obj if isinstance(obj, list) else [obj])]
     return None if None in calls else [c for c in calls if c is not None]
@@ -247,12 +294,16 @@ def openai_messages(messages) -> list[dict[str, Any]]:
         if m.tool_calls:
             calls = []
             for j, c in enumerate(m.tool_calls):
+                field = f"messages.{i}.tool_calls.{j}.function.arguments"
                 try:
                     args = json.loads(c.function.arguments)
+                except RecursionError:
+                    raise depth_error(field) from None
                 except ValueError:
                     args = None
                 if not isinstance(args, dict):
-                    raise ValueError(f"messages.{i}.tool_calls.{j}.function.arguments: must be a JSON object (as text)")
+                    raise ValueError(f"{field}: must be a JSON object (as text)")
+                check_depth(args, field)
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls
         if m.role == "tool" and m.tool_call_id:
@@ -261,9 +312,10 @@ def openai_messages(messages) -> list[dict[str, Any]]:
     return out
 
 
-def openai_tooling(body, structured: StructuredOutput | None) -> Tooling:
+def openai_tooling(body, structured: StructuredOutput | None, specials: tuple[str, ...] = ()) -> Tooling:
     """A chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``. ``ValueError`` naming the field
-    for a ``tool_choice`` that names no given tool, or a forced call whose schema does not compile."""
+    for a ``tool_choice`` that names no given tool, a schema over the limits, or a forced call whose schema does
+    not compile."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
@@ -271,6 +323,7 @@ def openai_tooling(body, structured: StructuredOutput | None) -> Tooling:
         return Tooling(structured=structured)
     tools = [Tool(t.function.name, t.function.description, _schema(t.function.parameters)) for t in body.tools]
     fields = [f"tools.{i}.function.parameters" for i in range(len(tools))]
+    check_tool_schemas(tools, fields)
     template = [t.template_form() for t in tools]
     single = body.parallel_tool_calls is False
     if choice == "none":
@@ -278,17 +331,21 @@ def openai_tooling(body, structured: StructuredOutput | None) -> Tooling:
     if choice is None or choice == "auto":
         return Tooling(template, structured, parse=True, single=single)
     if choice == "required":
-        return Tooling(template, call_grammar(tools, fields), parse=True, single=True)
+        return Tooling(template, call_grammar(tools, fields, specials), parse=True, single=True)
     named = [k for k, t in enumerate(tools) if t.name == choice.function.name]
     if not named:
         raise ValueError(f"tool_choice.function.name: no tool named {choice.function.name!r} in tools")
     k = named[0]
-    return Tooling(template, call_grammar([tools[k]], [fields[k]]), parse=True, single=True)
+    return Tooling(template, call_grammar([tools[k]], [fields[k]], specials), parse=True, single=True)
 
 
-def anthropic_tooling(body) -> Tooling:
+def anthropic_tooling(body, specials: tuple[str, ...] = ()) -> Tooling:
     """A messages request's ``tools`` / ``tool_choice`` (``auto`` by default, ``any``, ``tool`` with a name,
-    ``none``; ``disable_parallel_tool_use``)."""
+    ``none``; ``disable_parallel_tool_use``). Also checks the nesting of the earlier calls' ``input``."""
+    for i, m in enumerate(body.messages):
+        for j, block in enumerate(m.content):
+            if block.type == "tool_use":
+                check_depth(block.input, f"messages.{i}.content.{j}.input")
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice.type in ("any", "tool"):
@@ -296,6 +353,7 @@ def anthropic_tooling(body) -> Tooling:
         return Tooling()
     tools = [Tool(t.name, t.description, _schema(t.input_schema)) for t in body.tools]
     fields = [f"tools.{i}.input_schema" for i in range(len(tools))]
+    check_tool_schemas(tools, fields)
     template = [t.template_form() for t in tools]
     kind = "auto" if choice is None else choice.type
     single = choice is not None and choice.disable_parallel_tool_use is True
@@ -304,21 +362,24 @@ def anthropic_tooling(body) -> Tooling:
     if kind == "auto":
         return Tooling(template, parse=True, single=single)
     if kind == "any":
-        return Tooling(template, call_grammar(tools, fields), parse=True, single=True)
+        return Tooling(template, call_grammar(tools, fields, specials), parse=True, single=True)
     named = [k for k, t in enumerate(tools) if t.name == choice.name]
     if not named:
         raise ValueError(f"tool_choice.name: no tool named {choice.name!r} in tools")
     k = named[0]
-    return Tooling(template, call_grammar([tools[k]], [fields[k]]), parse=True, single=True)
+    return Tooling(template, call_grammar([tools[k]], [fields[k]], specials), parse=True, single=True)
 
 
-def response_format(fmt) -> StructuredOutput | None:
+def response_format(fmt, specials: tuple[str, ...] = ()) -> StructuredOutput | None:
     """OpenAI's ``response_format``: ``text`` (none), ``json_object``, ``json_schema`` (its ``schema``, strict
-    or not: the output always follows it). ``ValueError`` naming the field when the schema does not compile."""
+    or not: the output always follows it). ``ValueError`` naming the field when the schema does not compile or
+    holds one of the ``specials``."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return StructuredOutput("json_object")
+    field = "response_format.json_schema.schema"
     so = StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_))
-    so.check("response_format.json_schema.schema")
+    so.check(field)
+    _special_text(fmt.json_schema.schema_, specials, field)
     return so

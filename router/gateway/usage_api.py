@@ -11,8 +11,6 @@ priced per request at the tenant's prices (router/gateway/economics.py)."""
 
 # No "from __future__ import annotations": FastAPI must see real types.
 
-import asyncio
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
@@ -51,13 +49,13 @@ class UsageApi:
                 API,
             )
         rows = await self.gw.samples.recent(t.name)
-        report = await asyncio.to_thread(self._advise, t, rows)  # seconds for a large sample: off the event loop
+        report = await self.gw.compute(t, self._advise, t, rows)  # seconds for a large sample: off the event loop
         return {"tenant": t.name, "sampled": len(rows), "sample_limit": sample, **report}
 
     def _advise(self, t: Tenant, rows: list[dict]) -> dict:
         explicit = t.config.cache.mode == "explicit"
         return advisor.advise(
-            [advisor.view_of_sample(row, self.gw.tokenizer) for row in rows],
+            [advisor.view_of_sample(row, self.gw.thread_tokenizer()) for row in rows],
             block_size=self.gw.config.block_size,
             prices=t.prices,
             explicit=explicit,
