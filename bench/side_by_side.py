@@ -95,6 +95,10 @@ def install_vllm() -> None:
     sh(python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Served:
     """One server process (its own process group, so that stopping it stops its children) and its log."""
 
@@ -103,7 +107,15 @@ class Served:
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
         with log.open("w") as f:
             self.proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+                # Ctrl-C must reach it even when this script runs in the background (where SIGINT is ignored
+                # and the ignore is inherited): stop() relies on it to shut the server down cleanly.
+                preexec_fn=_default_sigint,
             )
         try:
             self._wait_ready()
