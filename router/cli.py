@@ -397,8 +397,18 @@ def _admin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgrid")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
+    p.add_argument("--version", action="version", version=f"kvgrid {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _add_demo_model(sub)
     _add_generate(sub)
@@ -627,7 +637,6 @@ def _add_replay(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configure_logging()
     args = build_parser().parse_args(argv)
     try:

@@ -276,3 +276,12 @@ def test_the_gateway_reports_and_accepts_the_served_model_name_only(demo_path, r
     assert [m["id"] for m in models.json()["data"]] == ["my-llm"]
     assert other.status_code == 404 and "'my-llm'" in other.json()["error"]["message"]
     assert anthropic.status_code == 404 and "'my-llm'" in anthropic.json()["error"]["message"]
+
+
+def test_version_names_the_installed_package():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", "router.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"kvgrid {version('kvgrid')}"
