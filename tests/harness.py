@@ -157,11 +157,11 @@ TEST_DEFAULTS = "model: demo\nblock_size: 16\ngroups: 2\ndevice: cpu\nmax_model_
 SERVE_DIR = "$SERVE_DIR"  # in a config body: the server's own folder (e.g. a kv_tiers disk_path under it)
 
 
-def write_config(folder: Path, port: int, body: str) -> Path:
-    """A serve config on 127.0.0.1:``port``: the demo model on 2 CPU groups (``TEST_DEFAULTS``), then ``body``
+def write_config(folder: Path, port: int, body: str, defaults: str = TEST_DEFAULTS) -> Path:
+    """A serve config on 127.0.0.1:``port``: ``defaults`` (the demo model on 2 CPU groups), then ``body``
     (tenants, cache size, ...), with ``SERVE_DIR`` replaced by ``folder``."""
     path = folder / "kvgrid.yaml"
-    path.write_text(f"http: {{host: 127.0.0.1, port: {port}}}\n" + TEST_DEFAULTS + body.replace(SERVE_DIR, str(folder)))
+    path.write_text(f"http: {{host: 127.0.0.1, port: {port}}}\n" + defaults + body.replace(SERVE_DIR, str(folder)))
     return path
 
 
@@ -245,12 +245,18 @@ class Server:
 
 @contextmanager
 def serving(
-    tmp_path_factory, body: str, ready: list[tuple[str, str]], env: dict[str, str] | None = None
+    tmp_path_factory,
+    body: str,
+    ready: list[tuple[str, str]],
+    env: dict[str, str] | None = None,
+    defaults: str = TEST_DEFAULTS,
 ) -> Iterator[Server]:
-    """A started server with the config ``body`` (everything but ``http``) and its own Redis; both stop after."""
+    """A started server with the config ``defaults`` + ``body`` (everything but ``http``) and its own Redis; both
+    stop after."""
     redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
     port = free_port()
-    srv = Server(write_config(tmp_path_factory.mktemp("serve"), port, body), redis_server.url, port, ready, env)
+    config = write_config(tmp_path_factory.mktemp("serve"), port, body, defaults)
+    srv = Server(config, redis_server.url, port, ready, env)
     try:
         srv.start()
         yield srv

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from harness import RedisServer, Server, free_port
+from harness import Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -126,22 +126,12 @@ def test_engine_greedy_tokens_match_transformers_cold_and_cached(smollm2: Path, 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2: Path):
-    folder = tmp_path_factory.mktemp("smollm2-serve")
-    port = free_port()
-    config = folder / "kvgrid.yaml"
-    config.write_text(
-        f"model: smollm2\nblock_size: 16\ngroups: 1\ndevice: cpu\nmax_model_len: 2048\n"
-        f"kv_cache_bytes: {256 << 20}\nhttp: {{host: 127.0.0.1, port: {port}}}\n"
-        f"tenants:\n  - name: acme\n    api_keys: [{KEY}]\n    cache: {{mode: implicit, min_prefix_tokens: 16}}\n"
+    defaults = (
+        f"model: smollm2\nblock_size: 16\ngroups: 1\ndevice: cpu\nmax_model_len: 2048\nkv_cache_bytes: {256 << 20}\n"
     )
-    redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
-    srv = Server(config, redis_server.url, port, [("acme", KEY)])
-    try:
-        srv.start()
+    body = f"tenants:\n  - name: acme\n    api_keys: [{KEY}]\n    cache: {{mode: implicit, min_prefix_tokens: 16}}\n"
+    with serving(tmp_path_factory, body, [("acme", KEY)], defaults=defaults) as srv:
         yield srv
-    finally:
-        srv.stop()
-        redis_server.stop()
 
 
 def _client(server: Server) -> openai.OpenAI:
