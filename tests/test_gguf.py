@@ -10,16 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
 
-gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import quantize  # noqa: E402
-
-from worker.models.gguf import SUPPORTED_TENSOR_TYPES, convert_gguf  # noqa: E402
-from worker.models.registry import ModelError, resolve_model  # noqa: E402
+from worker.models.gguf import SUPPORTED_TENSOR_TYPES, convert_gguf
+from worker.models.registry import ModelError, resolve_model
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 256, 2  # K-quants need rows of 256 values
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
