@@ -7,13 +7,19 @@ export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install system-tools run lint test test-fast bench
+.PHONY: install system-tools run lint test test-fast bench docs docs-build
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	@echo "make install: creating $(VENV) (Python 3.11) and installing kvgrid with its test tools into it"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "  pip install -e '.[test]': torch 2.13 (CPU), Ray 2.60, transformers, FastAPI, Redis, the OpenAI, Anthropic"
+	@echo "  and Gemini SDKs, pytest, ruff, mypy, MkDocs (a few minutes the first time; pip's own log follows)"
+	@bash -o pipefail -c "$(PY) -m pip install --progress-bar off -e '.[test]' 2>&1 | tee $(VENV)/pip-install.log \
+		| sed -nu -E 's/^(Collecting|Successfully installed)(.{0,96}).*/  \\1\\2/p'" \
+		|| (echo "make install: pip failed; its log:"; tail -30 $(VENV)/pip-install.log; exit 1)
+	@touch $(STAMP)
+	@echo "make install: done ($(VENV)/bin/kvgrid --version: `$(VENV)/bin/kvgrid --version`)"
 
 install: $(STAMP)
 
@@ -43,3 +49,10 @@ test-fast: install
 
 bench: install
 	$(VENV)/bin/kvgrid bench engine
+
+# The documentation site (docs/, mkdocs.yml): served with live reload on 127.0.0.1:8001, or built strictly into site/.
+docs: install
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
+docs-build: install
+	$(VENV)/bin/mkdocs build --strict
