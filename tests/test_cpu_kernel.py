@@ -94,6 +94,20 @@ def test_without_a_compiler_attention_falls_back_to_torch(fresh, monkeypatch, ca
     assert decodes.tables is None
 
 
+@needs_cc
+def test_a_missing_source_is_warned_about_once_naming_the_file(fresh, monkeypatch, caplog):
+    gone = fresh / "cpu_norm.c"  # as an install without the package data would have it
+    monkeypatch.setattr(cpu_kernel, "SOURCES", (cpu_kernel.SOURCES[0], gone))
+    with caplog.at_level(logging.WARNING, logger="kvgrid.worker"):
+        assert cpu_kernel.load() is None
+        assert cpu_kernel.load() is None  # the engine's norms and attention each ask: one warning in all
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"kernel source missing from the install: {gone}" in warnings[0]
+    assert "using the torch path" in warnings[0]
+    assert not list(fresh.glob("*.so"))
+
+
 def test_native_makes_a_missing_kernel_an_error_and_torch_never_builds_it(fresh, monkeypatch):
     monkeypatch.setenv("KVGRID_CPU_ATTENTION", "torch")
     assert cpu_kernel.load() is None

@@ -4,7 +4,9 @@ through ctypes.
 
 The build is cached under ``$KVGRID_KERNEL_CACHE`` (default ``~/.cache/kvgrid/kernels``), keyed by the source,
 the flags, the compiler and the CPU's feature flags (it is compiled for the CPU it runs on, ``-march=native``).
-Without a compiler, or when the build fails, ``load`` returns None and attention and norms stay on the torch path.
+Without a compiler or the sources, or when the build or the load fails, ``load`` returns None and attention and
+norms stay on the torch path, after one warning naming the cause (logger ``kvgrid.worker``; nothing falls back
+silently).
 ``KVGRID_CPU_ATTENTION=auto|native|torch``: ``native`` makes a missing library an error, ``torch`` never uses it
 (neither kernel).
 """
@@ -102,6 +104,9 @@ def load() -> ctypes.CDLL | None:
         try:
             if compiler is None:
                 raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+            missing = [str(source) for source in SOURCES if not source.is_file()]
+            if missing:  # an install without the package data (pyproject.toml's [tool.setuptools.package-data])
+                raise FileNotFoundError(f"kernel source missing from the install: {', '.join(missing)}")
             lib = ctypes.CDLL(str(_build(compiler)))
             fn = lib.kvgrid_paged_decode
             fn.restype = ctypes.c_int
@@ -115,9 +120,11 @@ def load() -> ctypes.CDLL | None:
             norm.restype = None
             norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
             _lib = lib
-        except (OSError, subprocess.SubprocessError) as e:
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:  # AttributeError: a symbol missing
             detail = getattr(e, "stderr", "") or ""
-            log.warning("CPU decode attention kernel unavailable (%s%s); using the torch path", e, detail[-500:])
+            log.warning(
+                "CPU kernels (decode attention, RMSNorm) unavailable (%s%s); using the torch path", e, detail[-500:]
+            )
     if _lib is None and want == "native":
         raise RuntimeError("KVGRID_CPU_ATTENTION=native, but the CPU decode kernel could not be built (see the log)")
     return _lib
