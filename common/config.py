@@ -22,12 +22,13 @@ import os
 import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.checks import is_power_of_two
-from common.errors import validation_message
+from common.errors import field_path
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -54,16 +55,42 @@ def parse_duration(value: str | int | float) -> float:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config model: unknown keys are refused, and values are not coerced from another type (``groups: true``
+    and ``min_prefix_tokens: "64"`` are errors; an int is accepted for a float). Durations keep their own
+    before-validators (``parse_duration``): ``5m``, ``90s`` or a number of seconds."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CacheConfig(_Strict):
-    mode: Literal["implicit", "explicit"] = "implicit"
-    min_prefix_tokens: int = Field(1024, ge=1)
-    default_ttl: float = 300.0  # seconds; explicit pins and cached content without their own TTL
-    max_pinned_tokens: int | None = Field(None, ge=0)
-    # Weight of this tenant's share of every group's KV cache (eviction) and pin budget; see README, isolation.
-    share: float = Field(1.0, gt=0)
+    """A tenant's prompt caching."""
+
+    mode: Literal["implicit", "explicit"] = Field(
+        "implicit",
+        description="implicit: every prompt's prefix is cached and reused automatically (OpenAI's way); explicit: "
+        "the client marks what to keep (Anthropic's cache_control, Gemini's cached contents) and sees all reuse",
+    )
+    min_prefix_tokens: int = Field(
+        1024,
+        ge=1,
+        description="implicit mode: cached tokens are reported (and billed as cache reads) only from this many up",
+    )
+    default_ttl: float = Field(
+        300.0,
+        description="Seconds (or 30s, 5m, 1h) an explicit pin or cached content lives when it names no TTL",
+    )
+    max_pinned_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="The most tokens this tenant may hold pinned on a group at once (default: its weighted part of "
+        "the pin budget, see share)",
+    )
+    share: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of this tenant's share of every group's KV cache (eviction takes from the tenant "
+        "holding the most for its weight) and of the pin budget",
+    )
 
     @field_validator("default_ttl", mode="before")
     @classmethod
@@ -74,13 +101,27 @@ class CacheConfig(_Strict):
 class LimitsConfig(_Strict):
     """Per-tenant limits; beyond them the tenant (only) gets 429 with Retry-After, or 413 for a long prompt."""
 
-    requests_per_s: int | None = Field(None, ge=1)
-    tokens_per_min: int | None = Field(None, ge=1)  # prompt tokens + max output tokens asked for
-    max_prompt_tokens: int | None = Field(None, ge=1)
-    max_inflight_requests: int = Field(256, ge=1)  # requests running at once (counted by each gateway replica)
-    # Live cached content objects (/v1/cachedContents) and their tokens together; past them a create is refused.
-    max_cached_contents: int = Field(100, ge=0)
-    max_cached_content_tokens: int = Field(1_000_000, ge=0)
+    requests_per_s: int | None = Field(
+        None, ge=1, description="Requests per second, counted in Redis over every gateway replica (none: no limit)"
+    )
+    tokens_per_min: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens plus the max output tokens asked for, per minute, over every replica (none: no "
+        "limit)",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="The longest prompt in tokens; a longer one gets 413 (none: the model's context)"
+    )
+    max_inflight_requests: int = Field(
+        256, ge=1, description="Requests running at once, counted by each gateway replica"
+    )
+    max_cached_contents: int = Field(
+        100, ge=0, description="Live cached content objects (/v1/cachedContents); past it a create is refused"
+    )
+    max_cached_content_tokens: int = Field(
+        1_000_000, ge=0, description="The tokens of all live cached contents together; past it a create is refused"
+    )
 
 
 # Price fields: dollars per million tokens (storage: per million token-hours), at most 6 decimals.
@@ -91,13 +132,23 @@ class PricesConfig(_Strict):
     """A tenant's price table (router/gateway/economics.py): a vendor ``preset`` and/or any of the fields, which
     override the preset's. A field left out is the preset's, or 0 without a preset."""
 
-    preset: Literal["openai", "anthropic", "gemini", "deepseek"] | None = None
-    input: float | None = Field(None, ge=0, le=1e6)  # uncached prompt tokens
-    output: float | None = Field(None, ge=0, le=1e6)
-    cache_write_5m: float | None = Field(None, ge=0, le=1e6)  # tokens written to an entry with a TTL <= 5 min
-    cache_write_1h: float | None = Field(None, ge=0, le=1e6)  # ... with a longer TTL
-    cache_read: float | None = Field(None, ge=0, le=1e6)  # prompt tokens served from the cache
-    storage: float | None = Field(None, ge=0, le=1e6)  # per million token-hours of an explicit entry's TTL
+    preset: Literal["openai", "anthropic", "gemini", "deepseek"] | None = Field(
+        None, description="A vendor's price table to start from (the fields given override its prices)"
+    )
+    input: float | None = Field(None, ge=0, le=1e6, description="Dollars per million uncached prompt tokens")
+    output: float | None = Field(None, ge=0, le=1e6, description="Dollars per million output tokens")
+    cache_write_5m: float | None = Field(
+        None, ge=0, le=1e6, description="Dollars per million tokens written to a cache entry with a TTL <= 5 min"
+    )
+    cache_write_1h: float | None = Field(
+        None, ge=0, le=1e6, description="Dollars per million tokens written to a cache entry with a longer TTL"
+    )
+    cache_read: float | None = Field(
+        None, ge=0, le=1e6, description="Dollars per million prompt tokens served from the cache"
+    )
+    storage: float | None = Field(
+        None, ge=0, le=1e6, description="Dollars per million token-hours of an explicit entry's TTL (storage)"
+    )
 
     @field_validator(*PRICE_FIELDS)
     @classmethod
@@ -111,8 +162,10 @@ class AdviceConfig(_Strict):
     """The cache advisor's sample (GET /{tenant}/v1/cache/advice): the ``sample`` most recent prompts of the
     tenant, kept in Redis under its own key for ``ttl``; 0 = off (the default: prompts are not kept)."""
 
-    sample: int = Field(0, ge=0, le=1000)
-    ttl: float = 3600.0  # seconds the sample lives after its last prompt
+    sample: int = Field(
+        0, ge=0, le=1000, description="How many of the tenant's most recent prompts are kept for the advisor (0: off)"
+    )
+    ttl: float = Field(3600.0, description="Seconds (or 30m, 1h) the sample lives after its last prompt")
 
     @field_validator("ttl", mode="before")
     @classmethod
@@ -121,15 +174,18 @@ class AdviceConfig(_Strict):
 
 
 class MonitoringConfig(_Strict):
-    """The hit-rate drop alarm of every tenant (router/gateway/monitoring.py ``DropAlarm``; README, "Prompt-cache
-    economics and monitoring")."""
+    """The hit-rate drop alarm of every tenant (router/gateway/monitoring.py ``DropAlarm``; docs/economics.md)."""
 
-    drop_alerts: bool = True
-    window: float = 60.0  # the share of the last window ...
-    baseline: float = 300.0  # ... against the share over this long before it
-    drop_ratio: float = Field(0.5, gt=0, lt=1)  # fires below this fraction of the baseline's share
-    min_share: float = Field(0.2, ge=0, le=1)  # a baseline share worth watching
-    streak: int = Field(10, ge=1, le=1000)  # and when the last this many requests all lost their hit
+    drop_alerts: bool = Field(True, description="Watch every tenant's cache hit rate and alert when it drops")
+    window: float = Field(60.0, description="Seconds (or 1m): the hit share of this last window is compared ...")
+    baseline: float = Field(300.0, description="... with the share over this long before it (seconds, or 5m)")
+    drop_ratio: float = Field(
+        0.5, gt=0, lt=1, description="The alarm fires below this fraction of the baseline's share"
+    )
+    min_share: float = Field(0.2, ge=0, le=1, description="The smallest baseline share worth watching")
+    streak: int = Field(
+        10, ge=1, le=1000, description="... and only when the last this many requests all lost their hit"
+    )
 
     @field_validator("window", "baseline", mode="before")
     @classmethod
@@ -138,15 +194,28 @@ class MonitoringConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    name: str
-    api_keys: list[str] = Field(min_length=1)
-    cache: CacheConfig = CacheConfig()
-    limits: LimitsConfig = LimitsConfig()
-    prices: PricesConfig | None = None  # None: usage is counted but not priced (every cost 0)
-    advice: AdviceConfig = AdviceConfig()
-    # Keep explicit (cache_control) entries warm past their TTL while their reuse pays (router/gateway/keep_alive.py).
+    """One tenant: its own URLs (``/{name}/...``), API keys, cache, limits and prices."""
+
+    name: str = Field(
+        description="The tenant's name: 1-63 lowercase letters, digits, '-' or '_'; its URLs start with /{name}"
+    )
+    api_keys: list[str] = Field(
+        min_length=1,
+        description="The keys its clients send (Authorization: Bearer, x-api-key or ?key=); at least 8 characters "
+        "each, each key of one tenant only",
+    )
+    cache: CacheConfig = Field(CacheConfig(), description="Its prompt caching: implicit or explicit, TTL, share")
+    limits: LimitsConfig = Field(LimitsConfig(), description="Its rate, size and concurrency limits")
+    prices: PricesConfig | None = Field(
+        None, description="Its price table; none: usage is counted but not priced (every cost 0)"
+    )
+    advice: AdviceConfig = Field(AdviceConfig(), description="The cache advisor's sample of its prompts (off)")
     # auto with prices that can never keep (none, or a write not dearer than a read) loads, with a warning at start.
-    keep_alive: Literal["off", "auto"] = "off"
+    keep_alive: Literal["off", "auto"] = Field(
+        "off",
+        description="auto: keep explicit (cache_control) entries warm past their TTL while their reuse pays "
+        "(router/gateway/keep_alive.py); off: never",
+    )
 
     @field_validator("keep_alive", mode="before")
     @classmethod
@@ -168,40 +237,108 @@ class TenantConfig(_Strict):
         return v
 
 
+class LoggingConfig(_Strict):
+    """What `kvgrid serve` logs to its console (common/logs.py): every gateway replica's access log (stdout) and the
+    supervisor's control events (stderr), relayed from the Ray actors to the process that runs `kvgrid serve`."""
+
+    format: Literal["text", "json"] = Field(
+        "text",
+        description="text: one readable line per record; json: one JSON object per line (for a log shipper)",
+    )
+    access_log: bool = Field(
+        True,
+        description="One line per HTTP request on stdout (logger kvgrid.access): request id, method, path, tenant, "
+        "model, status, prompt / cached / output tokens, time to first token and total time; never a key, a prompt "
+        "or a completion. Successful health probes (/health, /ready, /-/healthz) are not logged",
+    )
+
+
+class MetricsConfig(_Strict):
+    """The tenants' Prometheus metrics (``GET /{tenant}/metrics``, router/gateway/core.py ``_Metrics``)."""
+
+    enabled: bool = Field(
+        True,
+        description="Count every request in its tenant's metrics and publish them across the gateway replicas; "
+        "false: no per-request metric updates, no hit-rate drop alarm, no publishing, and /{tenant}/metrics answers "
+        "404 (the admin API's /admin/v1/metrics is unaffected)",
+    )
+
+
 class HttpConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    replicas: int = Field(1, ge=1)  # gateway replicas (Serve spreads them over the frontend nodes)
-    # Requests one gateway replica works on at once (not sockets: an idle connection holds no place, and a request
-    # without a valid key is answered 401 before its body is read); past it the replica answers 503 with
-    # Retry-After at once. Each tenant also has limits.max_inflight_requests per replica.
-    max_ongoing_requests: int = Field(1024, ge=1)
+    """The HTTP gateway: where it listens, its replicas, and its connection hygiene (router/gateway/ingress.py)."""
+
+    host: str = Field("127.0.0.1", description="The address the gateway listens on (0.0.0.0 or :: for every interface)")
+    port: int = Field(8000, ge=1, le=65535, description="The TCP port the gateway listens on")
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Gateway replicas, each serving the port itself (Serve spreads them over the frontend nodes)",
+    )
+    # Not sockets: an idle connection holds no place, and a request without a valid key is answered 401 before its
+    # body is read. Each tenant also has limits.max_inflight_requests per replica.
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="Requests one gateway replica works on at once; past it the replica answers 503 with "
+        "Retry-After at once",
+    )
     # How long a replica keeps an idle keep-alive connection open. Longer than the clients' own idle expiry (httpx,
     # so the OpenAI and Anthropic SDKs: 5 s; aiohttp 15 s), else a client can send on a connection the server is
     # closing that moment and get a connection error (seen in CI with uvicorn's default of 5 s against httpx's 5 s).
     # Behind a load balancer: longer than its idle timeout (AWS ALB: 60 s).
-    keep_alive_s: int = Field(20, ge=1)
-    docs: bool = False  # serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, keyless
-    # Connection hygiene (router/gateway/ingress.py; README "HTTP connections"). A new connection that has not
-    # started a request within idle_timeout_s is closed (bytes that start no request do not extend it).
-    idle_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
-    # A request's head (request line and headers, at most 64 KiB) must arrive within this of its first byte; else
-    # 408 and the connection is closed (slowloris).
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
-    # A request body may stall (no byte while the server reads) at most this long, and must average body_min_rate
-    # bytes/s past this grace (mod_reqtimeout's rule: deadline = grace + received / body_min_rate); else the
-    # connection is closed. Time the server is not reading (the app not asking yet, Expect: 100-continue) is free.
-    body_timeout_s: float = Field(20.0, gt=0, le=3600, allow_inf_nan=False)
-    body_min_rate: int = Field(500, ge=1)  # bytes/s
-    # Connections one client address (IPv4, or IPv6 /64) may hold per replica; one more gets a 503 with Retry-After
-    # and is closed unread. 0 = no cap. Behind a load balancer or proxy every connection comes from its
-    # addresses: raise it (or 0) there.
-    max_connections_per_client: int = Field(256, ge=0)
-    # Connections one replica holds; 0 = what its open-file limit leaves room for (the soft limit, raised to the
-    # hard limit at start, less the fds open and a reserve of max(256, 1/8 of it); at most 65536). At the cap the
-    # oldest connection that has not sent a complete request head is closed for the newcomer; with none, the
-    # newcomer gets a 503 with Retry-After. A value above the fd limit's room is lowered to it (with a warning).
-    max_connections: int = Field(0, ge=0)
+    keep_alive_s: int = Field(
+        20,
+        ge=1,
+        description="Seconds a replica keeps an idle keep-alive connection open: longer than the clients' idle "
+        "expiry (httpx 5 s, aiohttp 15 s) and, behind a load balancer, than its idle timeout (AWS ALB: 60 s)",
+    )
+    docs: bool = Field(
+        False,
+        description="Serve /docs and /openapi.json (gateway) and /admin/docs, /admin/openapi.json, without a key",
+    )
+    idle_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A new connection that has not started a request within this many seconds is closed (bytes "
+        "that start no request do not extend it)",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A request's head (request line and headers, at most 64 KiB) must arrive within this many "
+        "seconds of its first byte; else 408 and the connection is closed (slowloris)",
+    )
+    # mod_reqtimeout's rule: deadline = grace + received / body_min_rate. Time the server is not reading (the app not
+    # asking yet, Expect: 100-continue) is free.
+    body_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Seconds a request body may stall while the server reads, and the grace past which it must "
+        "average body_min_rate; else the connection is closed",
+    )
+    body_min_rate: int = Field(500, ge=1, description="Bytes/s a request body must average past body_timeout_s's grace")
+    max_connections_per_client: int = Field(
+        256,
+        ge=0,
+        description="Connections one client address (IPv4, or IPv6 /64) may hold per replica; one more gets a 503 "
+        "with Retry-After. 0 = no cap. Behind a load balancer or proxy, raise it (or 0): every connection comes "
+        "from its addresses",
+    )
+    # 0: the soft open-file limit (raised to the hard limit at start) less the fds open and a reserve of max(256, 1/8
+    # of it), at most 65536. A value above that room is lowered to it (with a warning).
+    max_connections: int = Field(
+        0,
+        ge=0,
+        description="Connections one replica holds (0: what its open-file limit leaves room for). At the cap the "
+        "oldest connection without a complete request head is closed for the newcomer; with none, the newcomer "
+        "gets a 503 with Retry-After",
+    )
 
 
 # Folders a disk tier may not be in: the system's own (``/usr/...``, ``/dev/null``, ``/proc/...``).
@@ -253,15 +390,24 @@ def filesystem_bytes(path: str) -> int | None:
 
 
 class KVTiersServeConfig(_Strict):
-    """Host RAM and disk tiers under every group's KV cache, per rank (worker/kv_tiers.py; README "KV tiers").
+    """Host RAM and disk tiers under every group's KV cache, per rank (worker/kv_tiers.py; docs/caching.md).
     ``host_bytes`` 0 (the default) = no tiers; ``disk_path`` (each group writes under ``<disk_path>/<group>``)
     needs ``disk_bytes`` and a host tier. ``host_bytes`` is at most this machine's memory; ``disk_path`` is an
     absolute folder of its own (``~`` expanded; ``disk_tier_path``); ``disk_bytes`` at most the size of its
     filesystem."""
 
-    host_bytes: int = Field(0, ge=0)
-    disk_path: str | None = Field(None, min_length=1)
-    disk_bytes: int = Field(0, ge=0)
+    host_bytes: int = Field(
+        0, ge=0, description="Bytes of host RAM per rank under its KV cache (0: no tiers); at most this machine's"
+    )
+    disk_path: str | None = Field(
+        None,
+        min_length=1,
+        description="The disk tier's folder (absolute or ~/..., a folder of its own); each group writes under "
+        "<disk_path>/<group>. Needs host_bytes and disk_bytes",
+    )
+    disk_bytes: int = Field(
+        0, ge=0, description="Bytes of the disk tier per rank; at most the size of disk_path's filesystem"
+    )
 
     @field_validator("host_bytes")
     @classmethod
@@ -291,48 +437,154 @@ class KVTiersServeConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """The router's cost policy (router/routing/policy.py; README "Tiers in the router"): what a hit a group holds in
+    """The router's cost policy (router/routing/policy.py; docs/routing.md): what a hit a group holds in
     host RAM or on disk costs, in prefill-token equivalents per token (a load's time counted in prefill time;
     0.04 and 0.4 by default: 16k prefill tokens/s against loads of 400k and 40k tokens/s)."""
 
-    host_load_weight: float = Field(0.04, ge=0, allow_inf_nan=False)
-    disk_load_weight: float = Field(0.4, ge=0, allow_inf_nan=False)
+    host_load_weight: float = Field(
+        0.04,
+        ge=0,
+        allow_inf_nan=False,
+        description="What a cached token held in host RAM costs to use, in prefill-token equivalents",
+    )
+    disk_load_weight: float = Field(
+        0.4,
+        ge=0,
+        allow_inf_nan=False,
+        description="What a cached token held on disk costs to use, in prefill-token equivalents",
+    )
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of the requests (router/gateway/tracing.py; off without this section): one trace per
+    request, exported over OTLP/HTTP by every gateway replica, with spans for auth, the chat template,
+    tokenizing, routing, queueing in the group, prefill and decode. A client's W3C ``traceparent`` is
+    continued. No prompt, completion or key is ever put in a span."""
+
+    otlp_endpoint: str = Field(
+        description="The OTLP/HTTP collector, e.g. ``http://otel-collector:4318`` (spans are sent to its "
+        "``/v1/traces``; a URL that already ends in ``/v1/traces`` is used as it is)."
+    )
+    service_name: str = Field(
+        "kvgrid", min_length=1, max_length=256, description="The ``service.name`` resource attribute of the spans."
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The share of requests traced (by trace id) when the client sends no ``traceparent``; a "
+        "client's ``traceparent`` decides for its own request (its sampled flag).",
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        url = urlsplit(v.strip())
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError("must be an http:// or https:// URL, e.g. http://otel-collector:4318")
+        if url.query or url.fragment:
+            raise ValueError("must not have a query or a fragment")
+        return v.strip().rstrip("/")
+
+    @property
+    def traces_url(self) -> str:
+        """Where the spans are POSTed: the endpoint's ``/v1/traces``."""
+        return self.otlp_endpoint if self.otlp_endpoint.endswith("/v1/traces") else self.otlp_endpoint + "/v1/traces"
 
 
 class ServeConfig(_Strict):
-    model: str = "demo"
-    # The model name clients send and GET /v1/models reports (default: ``model_id``'s, from ``model``).
-    served_model_name: str | None = Field(None, max_length=256)
-    block_size: int = Field(16, ge=1)
-    groups: int = Field(1, ge=1)
-    tensor_parallel: int = Field(1, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    kv_cache_bytes: int = Field(512 * 2**20, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    max_queued_prefill_tokens: int = Field(1_000_000, ge=1)  # per group; beyond it requests get 429
-    router_replicas: int = Field(1, ge=1)  # RouterService actors, each with its own index copy (from Redis)
-    max_groups: int | None = Field(None, ge=1)  # the most groups `kvgrid scale` may ask for (default 2 x groups)
-    http: HttpConfig = HttpConfig()
-    admin_keys: list[str] = []  # keys of the admin API (/admin: scaling); none = no admin API
-    redis_timeout_s: float = Field(1.0, gt=0, le=60)  # past it a Redis call fails (503) instead of waiting
-    step_timeout_s: float = Field(60.0, gt=0)  # a group whose step runs longer has failed (a hung rank)
-    # Threads each rank computes its steps with (default: this machine's cores over the groups' ranks, >= 1).
-    cpus_per_rank: int | None = Field(None, ge=1)
-    # CPU threads of a rank's decode-only steps (default: one fewer than cpus_per_rank, at least 1, so that the
-    # HTTP path streaming the tokens keeps a core); every other step uses cpus_per_rank.
-    decode_cpus_per_rank: int | None = Field(None, ge=1)
-    # Each group's engine steps in a process of its own beside its rank 0 actor (default false: on a thread of the
-    # actor; see the README's A/B of the two on 2 cores).
-    engine_process: bool = False
-    cuda_graphs: bool = True  # on CUDA, decode replays captured graphs (eager otherwise, and always on CPU)
-    # Weights, activations and KV cache: auto = float32 on CPU; on CUDA the model's float16/bfloat16, else bfloat16.
+    """The top level of ``kvgrid serve``'s config file."""
+
+    model: str = Field(
+        "demo",
+        description="The model: demo, demo:qwen2, smollm2, a GGUF file, a Hugging Face model folder or an org/name "
+        "Hub id (built, converted or downloaded once into $KVGRID_CACHE)",
+    )
+    served_model_name: str | None = Field(
+        None,
+        max_length=256,
+        description="The model name clients send and GET /v1/models reports (default: demo, or the last part of "
+        "model's path or id)",
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block, the unit of prefix reuse (a power of 2)")
+    groups: int = Field(1, ge=1, description="Worker groups started with the server (each a model replica)")
+    tensor_parallel: int = Field(1, ge=1, description="Ranks (GPUs, or CPU processes) per worker group")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the groups compute; auto: CUDA when the Ray cluster has GPUs, else CPU"
+    )
+    kv_cache_bytes: int = Field(
+        512 * 2**20,
+        ge=1,
+        description="Bytes of KV cache per rank on CPU (on CUDA the cache takes 85% of the GPU memory left after "
+        "the weights)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="The longest sequence (prompt and output) served (default: the model's context)"
+    )
+    max_queued_prefill_tokens: int = Field(
+        1_000_000, ge=1, description="Prompt tokens waiting for prefill per group; beyond it requests get 429"
+    )
+    router_replicas: int = Field(
+        1, ge=1, description="Router replicas (RouterService actors), each with its own copy of the prefix index"
+    )
+    max_groups: int | None = Field(
+        None, ge=1, description="The most groups `kvgrid scale` may ask for (default: 2 x groups)"
+    )
+    http: HttpConfig = Field(HttpConfig(), description="The HTTP gateway: address, port, replicas, connections")
+    admin_keys: list[str] = Field(
+        [],
+        description="Keys of the admin API (/admin: scaling, groups, metrics), at least 16 characters each; none: "
+        "no admin API",
+    )
+    redis_timeout_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds after which a Redis call fails (503) instead of waiting"
+    )
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds an engine step may run; a group whose step runs longer has failed"
+    )
+    cpus_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Threads each rank computes its steps with (default: this machine's cores over the groups' "
+        "ranks, at least 1)",
+    )
+    decode_cpus_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads of a rank's decode-only steps (default: one fewer than cpus_per_rank, at least 1, "
+        "so the HTTP path streaming the tokens keeps a core)",
+    )
+    engine_process: bool = Field(
+        False,
+        description="Run each group's engine steps in a process of its own beside its rank 0 actor (default: on a "
+        "thread of the actor)",
+    )
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, decode steps replay captured CUDA graphs (eager otherwise, and always on CPU)"
+    )
     # bfloat16 on a CPU with AVX512-BF16 or AMX runs about 1.5-2x faster than float32 (what vLLM's CPU build
     # downcasts float32 models to by default), at bfloat16's precision.
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_tiers: KVTiersServeConfig = KVTiersServeConfig()  # host RAM and disk under every group's KV cache (off)
-    routing: RoutingConfig = RoutingConfig()  # the router's tier load weights
-    monitoring: MonitoringConfig = MonitoringConfig()
-    tenants: list[TenantConfig] = Field(min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights, activations and KV cache; auto: float32 on CPU, on CUDA the model's float16 or "
+        "bfloat16, else bfloat16",
+    )
+    kv_tiers: KVTiersServeConfig = Field(
+        KVTiersServeConfig(), description="Host RAM and disk tiers under every group's KV cache (off)"
+    )
+    routing: RoutingConfig = Field(RoutingConfig(), description="The router's cost of hits in host RAM or on disk")
+    monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Every tenant's hit-rate drop alarm")
+    metrics: MetricsConfig = Field(MetricsConfig(), description="The tenants' Prometheus metrics (on)")
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="The console's format (text or json) and the per-request access log (on)"
+    )
+    tracing: TracingConfig | None = Field(
+        None, description="OpenTelemetry tracing of the requests (OTLP/HTTP); none (the default) = off: no tracer."
+    )
+    tenants: list[TenantConfig] = Field(
+        min_length=1, description="The tenants: each with its name, API keys, caching, limits and prices"
+    )
 
     @field_validator("admin_keys")
     @classmethod
@@ -397,16 +649,84 @@ class ServeConfig(_Strict):
         return max(1, self.rank_threads - 1)
 
 
+_SECRET_FIELDS = frozenset({"api_keys", "admin_keys"})  # an error about them never shows the value
+
+
+def _shown(value: object) -> str:
+    """A value given in the config, as a short text for an error message (YAML's spelling of its scalars)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:56] + "...'"
+    return "a list" if isinstance(value, list) else "a mapping" if isinstance(value, dict) else type(value).__name__
+
+
+def config_error_message(exc: ValidationError, source: str, fix: str | None = None) -> str:
+    """The first error of a serve config's validation in one line, ``"{source}: {field path}: {problem} (got
+    {value}); {fix}"``: the path with list indices in brackets (``tenants[0].cache.min_prefix_tokens``), the value
+    given for a wrong type or value (never an API or admin key's), ``(and N more)`` when there are more errors.
+    ``fix`` defaults to correcting the field in ``source``; an unknown field's is to remove or respell it."""
+    first = exc.errors()[0]
+    where = field_path(first["loc"], "config", brackets=True)
+    kind = first["type"]
+    problem = " ".join(first["msg"].removeprefix("Value error, ").split())
+    value = first.get("input")
+    secret = bool(_SECRET_FIELDS & {str(p) for p in first["loc"]})
+    shown = kind not in ("extra_forbidden", "value_error", "assertion_error", "missing") and not secret
+    got = f" (got {_shown(value)})" if shown else ""
+    if kind == "extra_forbidden":
+        problem = "unknown field"
+        fix = "remove it, or check its spelling and indentation"
+    elif kind in ("int_type", "float_type") and isinstance(value, bool):
+        fix = "write a number, not true or false"
+    elif kind in ("int_type", "float_type") and isinstance(value, str):
+        fix = "write a number, without quotes (YAML reads 1e6 as text: write 1000000)"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{source}: {where}: {problem}{got}{more}; {fix or f'correct it in {source}'}"
+
+
+def _read_fix(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "check the path"
+    if isinstance(exc, IsADirectoryError):
+        return "give the YAML file, not a folder"
+    if isinstance(exc, PermissionError):
+        return "check the file's permissions"
+    return "check the file"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (never the text around it, which may hold a key)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        what = ": ".join(s for s in (exc.context, exc.problem) if s) or "a syntax error"
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return " ".join(f"{what}{where}".split())
+    return " ".join(str(exc).split())
+
+
 def load_config(path: str | Path) -> ServeConfig:
+    """The serve config in the YAML file ``path``, validated; ``ConfigError`` with a one-line message naming the
+    file, the field and the fix otherwise."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}; {_read_fix(exc)}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax there") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read config {path}: it is not UTF-8 text; give a YAML file") from exc
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a mapping of fields")
+        raise ConfigError(
+            f"{path}: the config must be a mapping of fields (got {_shown(raw)}); write it as `field: value` "
+            "lines, with at least a tenants list"
+        )
     try:
         return ServeConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {validation_message(exc, 'config', plain=True, count=True)}") from exc
+        raise ConfigError(config_error_message(exc, str(path))) from exc

@@ -45,13 +45,27 @@ def group_error(exc: BaseException, group: str) -> Exception:
     return GroupUnhealthyError(f"worker group {group!r} failed: {type(exc).__name__}")
 
 
-def validation_message(exc: ValidationError, whole: str, *, plain: bool = False, count: bool = False) -> str:
+def field_path(loc: tuple[int | str, ...], whole: str, *, brackets: bool = False) -> str:
+    """A pydantic error location as text: ``tenants.0.cache.mode``, or with ``brackets`` ``tenants[0].cache.mode``
+    (a list index in brackets, as the serve config's errors show it); ``whole`` for the empty location."""
+    if not brackets:
+        return ".".join(str(p) for p in loc) or whole
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or whole
+
+
+def validation_message(
+    exc: ValidationError, whole: str, *, plain: bool = False, count: bool = False, brackets: bool = False
+) -> str:
     """A pydantic ``ValidationError`` in one line, ``"{where}: {problem}"``, of its first error (the request
     bodies', the admin API's and the serve config's validation errors all read this way). ``whole``: the name of
     the location when the error is about the whole input; ``plain``: without pydantic's ``"Value error, "``
-    prefix on a validator's own message; ``count``: with ``" (and N more)"`` when there are more errors."""
+    prefix on a validator's own message; ``count``: with ``" (and N more)"`` when there are more errors;
+    ``brackets``: list indices in brackets (``field_path``)."""
     first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or whole
+    where = field_path(first["loc"], whole, brackets=brackets)
     problem = first["msg"].removeprefix("Value error, ") if plain else first["msg"]
     more = f" (and {exc.error_count() - 1} more)" if count and exc.error_count() > 1 else ""
     return f"{where}: {problem}{more}"

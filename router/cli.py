@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from common.logs import configure_logging
@@ -31,7 +32,7 @@ DEMO_QUESTIONS = ("How much is an electric bike for two days?", "Do I need to br
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from worker.models.demo_model import write_demo_model
 
-    path = write_demo_model(args.dir, args.variant, args.seed)
+    path = write_demo_model(args.dir, args.variant, args.seed, progress=True)
     print(f"wrote the {args.variant} demo model to {path}")
     return 0
 
@@ -211,22 +212,24 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str |
 
     from pydantic import ValidationError
 
-    from common.config import ConfigError, HttpConfig, ServeConfig, load_config
-    from common.errors import validation_message
+    from common.config import ConfigError, HttpConfig, ServeConfig, config_error_message, load_config
 
     given = {dest: getattr(args, dest) for dest in SERVE_FLAGS if getattr(args, dest) is not None}
     generated = None
     raw: dict[str, Any]
     if args.config:
         if args.api_key:
-            raise ConfigError("--api-key is for serving without --config (the config's tenants have their api_keys)")
+            raise ConfigError(
+                "--api-key is for serving without --config (the config's tenants have their api_keys); drop "
+                "--api-key, or put the key in a tenant's api_keys"
+            )
         cfg = load_config(args.config)
         if not given:
             return cfg, None
         raw = cfg.model_dump()  # validated again with the flags' values
     else:
         if "model" not in given:
-            raise ConfigError("give a model or --config (e.g. kvgrid serve demo)")
+            raise ConfigError("no model given; give a model or --config (e.g. kvgrid serve demo)")
         key, source = args.api_key, "--api-key"
         if not key:
             key, source = os.environ.get("KVGRID_API_KEY"), "KVGRID_API_KEY"
@@ -234,12 +237,12 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str |
             host = given.get("host") or HttpConfig().host
             if not is_loopback(host):
                 raise ConfigError(
-                    f"--host {host} is reachable from other machines: give the API key with --api-key or "
-                    "KVGRID_API_KEY (a key is generated only on a loopback host)"
+                    f"--host {host} is reachable from other machines and no API key is given; give one with "
+                    "--api-key or KVGRID_API_KEY (a key is generated only on a loopback host)"
                 )
             key = generated = "sk-" + secrets.token_urlsafe(24)
         elif len(key) < 8:
-            raise ConfigError(f"{source}: an API key must have at least 8 characters")
+            raise ConfigError(f"{source}: an API key must have at least 8 characters; give a longer one")
         raw = {"tenants": [{"name": DEFAULT_TENANT, "api_keys": [key]}]}
     for dest, value in given.items():
         *parents, field = SERVE_FLAGS[dest][1]
@@ -253,7 +256,43 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str |
         loc = tuple(str(p) for p in exc.errors()[0]["loc"])
         flag = next((SERVE_FLAGS[d][0] for d in given if loc[: len(SERVE_FLAGS[d][1])] == SERVE_FLAGS[d][1]), None)
         where = flag or args.config or "kvgrid serve"
-        raise ConfigError(f"{where}: {validation_message(exc, 'config', plain=True, count=True)}") from None
+        fix = f"give {flag} another value" if flag else None
+        raise ConfigError(config_error_message(exc, where, fix)) from None
+
+
+SECRET_FIELDS = ("api_keys", "admin_keys")  # config fields that `kvgrid config check` shows redacted
+
+
+def redact_key(key: str) -> str:
+    """A key as ``kvgrid config check`` shows it: its first characters (at most 6, at most a third of it), then …."""
+    return key[: min(6, len(key) // 3)] + "…"
+
+
+def _redact(node: Any) -> Any:
+    """A dumped config with every key list redacted (``SECRET_FIELDS``, wherever they are)."""
+    if isinstance(node, dict):
+        return {
+            k: [redact_key(x) for x in v] if k in SECRET_FIELDS and isinstance(v, list) else _redact(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_redact(x) for x in node]
+    return node
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from common.config import load_config
+    from router.control.serve import _redacted
+
+    cfg = load_config(args.file)
+    data = _redact(cfg.model_dump())
+    if isinstance(data.get("tracing"), dict) and data["tracing"].get("otlp_endpoint"):  # a URL may hold a password
+        data["tracing"]["otlp_endpoint"] = _redacted(data["tracing"]["otlp_endpoint"])
+    print(f"# {args.file} is valid: every field with its value, defaults filled in; keys redacted")
+    sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -284,14 +323,16 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | N
 
     key = args.admin_key or os.environ.get("KVGRID_ADMIN_KEY")
     if not key:
-        raise ValueError("no admin key: pass --admin-key or set KVGRID_ADMIN_KEY (one of admin_keys in the config)")
+        raise ValueError(
+            "no admin key given; pass --admin-key or set KVGRID_ADMIN_KEY (one of admin_keys in the config)"
+        )
     url = args.url.rstrip("/") + "/admin/v1" + path
     try:
         r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
     except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {url}: {exc}") from None
+        raise ValueError(f"cannot reach {url}: {exc}; check --url and that the server runs") from None
     if r.status_code == 404 and "error" not in r.text:
-        raise ValueError(f"{args.url} has no admin API (is admin_keys set in its config?)")
+        raise ValueError(f"{args.url} has no admin API; set admin_keys in its config (and restart it)")
     if r.status_code != 200:
         try:
             msg = r.json()["error"]["message"]
@@ -361,7 +402,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         try:
             r = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
         except httpx.HTTPError as exc:
-            raise ValueError(f"cannot reach {url}: {exc}") from None
+            raise ValueError(f"cannot reach {url}: {exc}; check --url and that the server runs") from None
         if r.status_code != 200:
             try:
                 msg = r.json()["error"]["message"]
@@ -409,8 +450,10 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgrid", description="Multi-tenant LLM serving with exact prefix caching.")
     p.add_argument("--version", action="version", version=f"kvgrid {_version()}")
+    p.add_argument("--debug", action="store_true", help="on an error, print its traceback too (kvgrid --debug CMD)")
     sub = p.add_subparsers(dest="command", required=True)
     _add_demo_model(sub)
+    _add_config(sub)
     _add_generate(sub)
     _add_serve(sub)
     _add_model_path(sub)
@@ -419,6 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_replay(sub)
     return p
+
+
+def _add_config(sub) -> None:
+    c = sub.add_parser("config", help="check a kvgrid serve config file")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    check = csub.add_parser(
+        "check",
+        help="validate FILE and print it with every default filled in (keys redacted)",
+        description="Validates FILE as kvgrid serve would and prints the resolved config as YAML on stdout: every "
+        "field, defaults filled in, API and admin keys redacted. An invalid file: one line on stderr, exit 2.",
+    )
+    check.add_argument("file", metavar="FILE", help="the YAML config")
+    check.set_defaults(func=_cmd_config_check)
 
 
 def _add_demo_model(sub) -> None:
@@ -457,7 +513,9 @@ def _add_serve(sub) -> None:
         metavar="MODEL",
         help="demo, smollm2, a GGUF file, a folder, an org/name Hub id",
     )
-    s.add_argument("--config", default=None, help="YAML config (see README)")
+    s.add_argument(
+        "--config", default=None, help="YAML config (docs/configuration.md; check one: kvgrid config check FILE)"
+    )
     s.add_argument("--host", default=None, help="http.host (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="http.port (default 8000)")
     s.add_argument("--groups", type=int, default=None, help="worker groups (default 1)")
@@ -636,13 +694,54 @@ def _add_replay(sub) -> None:
     rp.set_defaults(func=_cmd_replay)
 
 
+def error_line(exc: BaseException, command: str = "") -> str:
+    """What ``main`` prints after ``kvgrid: error:`` for an error a command raised: one line, its cause, then after
+    ``; `` the fix: the message's own (kvgrid's errors say it), else one for the kind of error."""
+    cause, fix = _cause_and_fix(exc, command)
+    text = " ".join(cause.split()) or type(exc).__name__
+    if len(text) > 1000:
+        text = text[:997] + "..."
+    return text if "; " in text else f"{text}; {fix}"
+
+
+def _cause_and_fix(exc: BaseException, command: str) -> tuple[str, str]:
+    debug = "rerun with kvgrid --debug for the traceback"
+    library = type(exc).__module__.split(".")[0]
+    if library == "ray":
+        cause = getattr(exc, "cause", None)  # a RayTaskError: what the remote call raised
+        if isinstance(cause, Exception):
+            return _cause_and_fix(cause, command)
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        return f"Ray: {type(exc).__name__}: {first}", f"check the Ray cluster (ray status); {debug}"
+    if library == "redis":
+        return f"Redis: {type(exc).__name__}: {exc}", "check that Redis runs and that --redis names it"
+    if isinstance(exc, (ValueError, FileNotFoundError)):  # ConfigError, ModelError and kvgrid's other bad input
+        return str(exc), f"see kvgrid {command} --help".replace("  ", " ")
+    if isinstance(exc, OSError):
+        what = exc.strerror or str(exc) or type(exc).__name__
+        return (f"{what}: {exc.filename}" if exc.filename else what), "check the path, the address and permissions"
+    if isinstance(exc, RuntimeError):
+        return str(exc), debug
+    return f"unexpected {type(exc).__name__}: {exc}", f"{debug}, and report it"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr, ``kvgrid: error: <cause>; <fix>``, and exit code 2
+    (Ctrl-C: 130, quietly). ``kvgrid --debug ...`` prints the traceback first."""
     configure_logging()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # ConfigError is a ValueError: exit code 2
-        print(f"kvgrid: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        return 130
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        sys.stdout.flush()
+        command = " ".join(str(getattr(args, a)) for a in ("command", "bench") if getattr(args, a, None))
+        print(f"kvgrid: error: {error_line(exc, command)}", file=sys.stderr, flush=True)
         return 2
 
 

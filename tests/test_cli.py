@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from transformers import AutoConfig
@@ -19,6 +20,10 @@ def kvgrid(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Co
 def test_demo_model_command_writes_a_loadable_folder(tmp_path):
     out = kvgrid("demo-model", str(tmp_path / "m"), "--variant", "qwen2")
     assert out.returncode == 0, out.stderr
+    # What it builds, on stderr: a line before and one after, with the time it took.
+    before, after = out.stderr.strip().splitlines()
+    assert before.startswith("building the qwen2 demo model") and "tokenizer" in before
+    assert re.fullmatch(r"built the qwen2 demo model in \d+\.\d s", after), after
     cfg = AutoConfig.from_pretrained(str(tmp_path / "m"))
     assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
 
@@ -47,7 +52,7 @@ def test_serve_with_an_invalid_config_exits_2_naming_the_field(tmp_path):
     )
     out = kvgrid("serve", "--config", str(bad))
     assert out.returncode == 2
-    assert "tenants.0.cache.mode" in out.stderr
+    assert "tenants[0].cache.mode" in _error_line(out.stderr)
 
 
 def test_demo_config_of_make_run_is_valid():
@@ -236,6 +241,7 @@ def test_model_path_prints_the_demo_folder_only(tmp_path):
     assert out.returncode == 0, out.stderr
     path = out.stdout.removesuffix("\n")
     assert out.stdout == path + "\n" and os.path.dirname(path) == str(tmp_path)  # only the path, in the cache
+    assert "building the llama demo model" in out.stderr  # built on first use, said on stderr
     assert AutoConfig.from_pretrained(path).model_type == "llama"
 
 
@@ -285,3 +291,191 @@ def test_version_names_the_installed_package():
 
     done = subprocess.run([sys.executable, "-m", "router.cli", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == f"kvgrid {version('kvgrid')}"
+
+
+# -- kvgrid config check ---------------------------------------------------------------------------------------------
+
+
+def test_config_check_prints_the_resolved_config_with_the_keys_redacted(tmp_path, capsys):
+    import yaml
+
+    from common.config import ServeConfig
+    from router.cli import main
+
+    path = tmp_path / "kvgrid.yaml"
+    path.write_text(
+        "groups: 2\nadmin_keys: [adm-secret-0123456789]\nmonitoring: {window: 2m}\n"
+        "tenants:\n  - name: acme\n    api_keys: [sk-acme-secret-0001, sk-acme-secret-0002]\n"
+        "    cache: {mode: explicit, default_ttl: 1h}\n"
+    )
+    assert main(["config", "check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "secret" not in out
+    shown = yaml.safe_load(out)
+    assert shown["admin_keys"] == ["adm-se…"] and shown["tenants"][0]["api_keys"] == ["sk-acm…", "sk-acm…"]
+    # Every field with its value: the defaults filled in, durations in seconds.
+    defaults = ServeConfig.model_validate({"tenants": [{"name": "acme", "api_keys": ["sk-acme-secret-0001"]}]})
+    assert shown.keys() == defaults.model_dump().keys()
+    assert shown["tenants"][0].keys() == defaults.tenants[0].model_dump().keys()
+    assert shown["http"] == defaults.http.model_dump() and shown["groups"] == 2
+    assert shown["monitoring"]["window"] == 120.0 and shown["tenants"][0]["cache"]["default_ttl"] == 3600.0
+    assert shown["tenants"][0]["limits"] == defaults.tenants[0].limits.model_dump()
+
+
+def test_a_short_key_is_redacted_to_less_than_a_third():
+    from router.cli import redact_key
+
+    assert redact_key("sk-12345") == "sk…" and redact_key("sk-0123456789abcdefghij") == "sk-012…"
+
+
+# -- every failure of a command: one line on stderr, `kvgrid: error: <cause>; <fix>`, exit code 2 --------------------
+
+TENANT = "tenants:\n  - name: acme\n    api_keys: [sk-acme-123]\n"
+KEY = "sk-test-key-0001"
+
+
+def _fails(capsys, argv: list[str], *expected: str) -> str:
+    """Run ``kvgrid argv`` in this process: exit code 2 and one line on stderr that holds ``expected``."""
+    from router.cli import main
+
+    assert main(argv) == 2, argv
+    line = _error_line(capsys.readouterr().err)
+    assert "; " in line, line  # the cause, then the fix
+    for text in expected:
+        assert text in line, (text, line)
+    return line
+
+
+@pytest.mark.parametrize("command", [["serve", "--config"], ["config", "check"]])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (None, ["cannot read config", "No such file or directory; check the path"]),
+        ("tenants: [\n  - name: acme\n", ["is not valid YAML: while parsing", "at line 2, column 3; fix the syntax"]),
+        ("groups: true\n" + TENANT, ["groups: Input should be a valid integer (got true); write a number"]),
+        (TENANT + "    cache: {min_prefix_tokens: '64'}\n", ["tenants[0].cache.min_prefix_tokens: ", "(got '64')"]),
+        ("colour: blue\n" + TENANT, ["colour: unknown field; remove it, or check its spelling"]),
+    ],
+)
+def test_a_bad_config_file_fails_in_one_line_naming_the_cause(tmp_path, monkeypatch, capsys, command, text, expected):
+    started = _no_start(monkeypatch)
+    path = tmp_path / "kvgrid.yaml"
+    if text is not None:
+        path.write_text(text)
+    _fails(capsys, [*command, str(path)], str(path), *expected)
+    assert started == []
+
+
+def test_serve_on_a_port_in_use_fails_in_one_line(demo_path, capsys):
+    import socket
+
+    from harness import free_port
+
+    port = free_port()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        _fails(
+            capsys,
+            ["serve", "demo", "--port", str(port), "--api-key", KEY],
+            f"http: 127.0.0.1:{port} is in use by another program; choose another port (--port",
+        )
+
+
+def test_serve_with_an_unreachable_redis_fails_in_one_line_without_its_password(demo_path, capsys):
+    from harness import free_port
+
+    closed = free_port()  # nothing listens there
+    url = f"redis://:pw-secret-1@127.0.0.1:{closed}/0"
+    line = _fails(
+        capsys,
+        ["serve", "demo", "--port", str(free_port()), "--api-key", KEY, "--redis", url],
+        f"--redis: cannot reach Redis at redis://:***@127.0.0.1:{closed}/0",
+        "Connection refused",
+        "start it or fix the URL",
+    )
+    assert "pw-secret-1" not in line
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("/no/such/model", "model '/no/such/model' is not a file or folder, nor a Hub id (org/name); check the path"),
+        ("demo:nosuch", "unknown demo model variant 'nosuch'; expected one of: llama, qwen2"),
+    ],
+)
+def test_serve_of_a_missing_model_fails_in_one_line(model, expected, capsys):
+    from harness import free_port
+
+    _fails(capsys, ["serve", model, "--port", str(free_port()), "--api-key", KEY], expected)  # embedded Redis
+
+
+def test_serve_fails_in_one_line_when_ray_cannot_start(demo_path, redis_client, capsys):
+    """--address where no Ray cluster answers: ray.init would retry for minutes and then exit the process; kvgrid
+    serve finds out in seconds."""
+    from harness import free_port
+
+    closed = free_port()
+    start = time.monotonic()
+    _fails(
+        capsys,
+        ["serve", "demo", "--port", str(free_port()), "--api-key", KEY, "--address", f"127.0.0.1:{closed}"]
+        + ["--redis", f"unix://{redis_client.socket_file}"],
+        f"Ray: nothing answers at --address 127.0.0.1:{closed} (Connection refused); start the cluster's head",
+    )
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (RuntimeError("the Serve application 'kvgrid' did not start:\n  kvgrid-gateway: boom"), "start: kvgrid-"),
+        (RuntimeError(""), "RuntimeError; rerun with kvgrid --debug for the traceback"),
+        (PermissionError(13, "Permission denied", "/srv/x"), "Permission denied: /srv/x; check the path"),
+        (ZeroDivisionError("boom"), "unexpected ZeroDivisionError: boom; rerun with kvgrid --debug for the traceback"),
+    ],
+)
+def test_any_error_of_a_command_is_one_line(monkeypatch, capsys, error, expected):
+    from router.control import serve
+
+    def fail(cfg, **kw):
+        raise error
+
+    monkeypatch.setattr(serve, "run", fail)
+    _fails(capsys, ["serve", "demo", "--api-key", KEY], expected)
+
+
+def test_a_redis_error_is_one_line_naming_redis(monkeypatch, capsys):
+    import redis
+
+    from router.control import serve
+
+    def fail(cfg, **kw):
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6390.\nConnection refused.")
+
+    monkeypatch.setattr(serve, "run", fail)
+    _fails(capsys, ["serve", "demo", "--api-key", KEY], "Redis: ConnectionError: Error 111", "check that Redis runs")
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    from router.cli import main
+    from router.control import serve
+
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve, "run", interrupted)
+    assert main(["serve", "demo", "--api-key", KEY]) == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_debug_shows_the_traceback_then_the_line(tmp_path):
+    kvgrid_bin = os.path.join(os.path.dirname(sys.executable), "kvgrid")
+    missing = str(tmp_path / "none.yaml")
+    for argv, traceback in ((["serve", "--config", missing], False), (["--debug", "serve", "--config", missing], True)):
+        out = subprocess.run([kvgrid_bin, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stdout == ""
+        lines = out.stderr.strip().splitlines()
+        assert lines[-1].startswith("kvgrid: error: cannot read config") and missing in lines[-1]
+        assert ("Traceback (most recent call last):" in out.stderr) == traceback
+        assert len(lines) > 1 if traceback else len(lines) == 1, out.stderr

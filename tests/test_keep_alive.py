@@ -187,7 +187,7 @@ def test_keep_alive_config(tmp_path):
         path.write_text(base + text)
         assert load_config(path).tenants[0].keep_alive == want
     path.write_text(base + "    keep_alive: sometimes\n")
-    with pytest.raises(ConfigError, match=r"tenants\.0\.keep_alive: Input should be .off. or .auto."):
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.keep_alive: Input should be .off. or .auto."):
         load_config(path)
 
 
@@ -297,9 +297,9 @@ def test_gateway_rounds_keep_bill_and_count_once_across_replicas(demo_path, redi
     assert totals["cost_pusd"] == hold_cost(prices, 64, kept_s, 2.0) > 0
     assert totals["requests"] == 0  # a keep is no request
     total = {k: sum(m[k] for m in metrics) for k in metrics[0]}
-    assert total["kvgrid_keep_alive_decisions_total|decision=keep,tenant=acme"] == 1
-    assert total["kvgrid_keep_alive_decisions_total|decision=drop,tenant=acme"] == 1
-    assert total["kvgrid_keep_alive_kept_token_seconds_total|tenant=acme"] == round(64 * kept_s)
+    assert total["kvgrid_keep_alive_decisions_total|decision=keep,model_name=demo,tenant=acme"] == 1
+    assert total["kvgrid_keep_alive_decisions_total|decision=drop,model_name=demo,tenant=acme"] == 1
+    assert total["kvgrid_keep_alive_kept_token_seconds_total|model_name=demo,tenant=acme"] == round(64 * kept_s)
     assert any("could not re-pin" in r.getMessage() for r in caplog.records)
 
 
@@ -433,11 +433,13 @@ def test_an_auto_entry_is_read_past_its_ttl_and_an_off_one_is_not(shared_server)
         return _samples(r.text)
 
     # The decisions: umbrella's entry kept (at least once) and, its use over, dropped past its expected reuse.
-    keep, drop = (f"kvgrid_keep_alive_decisions_total|decision={d},tenant=umbrella" for d in ("keep", "drop"))
+    keep, drop = (
+        f"kvgrid_keep_alive_decisions_total|decision={d},model_name=demo,tenant=umbrella" for d in ("keep", "drop")
+    )
     m = wait_for(lambda: (s := metrics("umbrella", SHARED_UMBRELLA_KEY))[drop] >= 2 and s, 30, "the drop")
-    assert m[keep] >= 1 and m["kvgrid_keep_alive_kept_token_seconds_total|tenant=umbrella"] > 0
+    assert m[keep] >= 1 and m["kvgrid_keep_alive_kept_token_seconds_total|model_name=demo,tenant=umbrella"] > 0
     g = metrics("globex", GLOBEX_KEY)
-    assert g["kvgrid_keep_alive_decisions_total|decision=keep,tenant=globex"] == 0
+    assert g["kvgrid_keep_alive_decisions_total|decision=keep,model_name=demo,tenant=globex"] == 0
     admin = _samples(httpx.get(f"{server.base}/admin/v1/metrics", headers={"x-api-key": ADMIN_KEY}, timeout=60).text)
     assert admin["kvgrid_tenant_keep_alive_decisions_total|decision=keep,tenant=umbrella"] >= 1
     assert admin["kvgrid_tenant_keep_alive_decisions_total|decision=keep,tenant=globex"] == 0

@@ -357,8 +357,8 @@ def test_store_limits_and_timeout_come_from_the_config(tmp_path):
     assert limits.max_cached_contents == 100 and limits.max_cached_content_tokens == 1_000_000
     for bad, field in [
         ("redis_timeout_s: 0\n", "redis_timeout_s"),
-        ("    limits: {max_cached_contents: -1}\n", r"tenants\.0\.limits\.max_cached_contents"),
-        ("    limits: {max_inflight_requests: 0}\n", r"tenants\.0\.limits\.max_inflight_requests"),
+        ("    limits: {max_cached_contents: -1}\n", r"tenants\[0\]\.limits\.max_cached_contents"),
+        ("    limits: {max_inflight_requests: 0}\n", r"tenants\[0\]\.limits\.max_inflight_requests"),
     ]:
         text = bad + "tenants:\n  - name: acme\n    api_keys: [sk-acme-1]\n"
         if bad.startswith("    "):

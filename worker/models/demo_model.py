@@ -16,10 +16,14 @@ The tokenizer never adds special tokens on its own: ``tokenizer("hi")`` is just 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,15 +306,40 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_demo_model(out_dir: str | os.PathLike[str], variant: str = "llama", seed: int = 0) -> Path:
+@contextlib.contextmanager
+def _told(variant: str, seed: int, progress: bool) -> Iterator[None]:
+    """With ``progress``, say on stderr what is built: a line before, one after with the time it took (the build
+    takes about a second: no progress bar)."""
+    if not progress:
+        yield
+        return
+    spec = _spec(variant)
+    start = time.perf_counter()
+    print(
+        f"building the {variant} demo model (seed {seed}: a {spec.num_layers}-layer, {spec.hidden}-wide random "
+        f"model and its {_TARGET_VOCAB_SIZE}-token BPE tokenizer) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    yield
+    print(f"built the {variant} demo model in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def write_demo_model(
+    out_dir: str | os.PathLike[str], variant: str = "llama", seed: int = 0, progress: bool = False
+) -> Path:
     """Write a complete demo model folder for ``variant`` (see ``DEMO_VARIANTS``) into ``out_dir`` and return it.
 
     The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
     and special_tokens_map.json. The same ``variant`` and ``seed`` always give byte-identical files. Raises
-    ValueError for an unknown variant.
+    ValueError for an unknown variant. ``progress``: say on stderr what is built, and how long it took.
     """
+    with _told(variant, seed, progress):
+        return _write_demo_model(Path(out_dir), variant, seed)
+
+
+def _write_demo_model(out: Path, variant: str, seed: int) -> Path:
     spec = _spec(variant)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids, vocab_size = _tokenizer_facts()
 
@@ -358,9 +387,17 @@ def demo_variant(model: str) -> str:
     return variant
 
 
-def cached_demo_model(variant: str) -> Path:
-    """The demo model folder of ``variant`` in kvgrid's model cache, built on first use; concurrent callers are
-    safe (``registry.resolve_model`` maps the names to it)."""
-    return build_atomically(
-        cache_root() / f"demo-{variant}-v{_FORMAT_VERSION}", lambda tmp: write_demo_model(tmp, variant)
-    )
+def demo_model_folder(variant: str) -> Path:
+    """Where ``cached_demo_model`` keeps the demo model of ``variant`` (built or not)."""
+    return cache_root() / f"demo-{variant}-v{_FORMAT_VERSION}"
+
+
+def cached_demo_model(variant: str, progress: bool = False) -> Path:
+    """The demo model folder of ``variant`` in kvgrid's model cache, built on first use (said on stderr with
+    ``progress``); concurrent callers are safe (``registry.resolve_model`` maps the names to it)."""
+
+    def build(tmp: Path) -> Path:
+        with _told(variant, 0, progress):
+            return write_demo_model(tmp, variant)
+
+    return build_atomically(demo_model_folder(variant), build)

