@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
+export NO_MKDOCS_2_WARNING := 1  # Material 9.x's banner about MkDocs 2
 
 .PHONY: install system-tools run lint test test-fast bench docs docs-build
 
@@ -55,4 +56,5 @@ docs: install
 	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 docs-build: install
+	$(PY) docs/gen_config_reference.py
 	$(VENV)/bin/mkdocs build --strict

@@ -16,6 +16,19 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine failed this request alone
 
 
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Where a finished request's time in its worker group went, in seconds after it arrived at the engine: offsets
+    on the engine process's own monotonic clock, free of any clock difference between the group's node and the
+    caller's (the gateway places them on its own clock by when the final output came: router/gateway/tracing.py).
+    Queueing is arrival to ``scheduled``, prefill ``scheduled`` to ``first_token``, decode ``first_token`` to
+    ``finished``."""
+
+    scheduled: float | None  # first scheduled (its prompt's computing started); None: never
+    first_token: float | None  # its first output token was sampled; None: none was
+    finished: float
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -35,6 +48,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
     error: str | None = None  # why the engine failed this request alone (finish_reason ERROR)
     index: int = 0  # which of the request's ``n`` choices this is (0 .. n-1; they share the prompt)
+    timings: Timings | None = None  # on the final output of a request the engine ran (queue, prefill, decode)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from common import channel
 from common.errors import GroupUnhealthyError, RequestAborted, RequestFailed, group_error
 from common.events import KVEvent
-from common.outputs import RequestOutput
+from common.outputs import RequestOutput, Timings
 from common.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class Delta:
     error: str | None = None
     aborted: bool = False
     index: int = 0  # which choice (n > 1): a request has ended once each of its ``n`` choices finished
+    timings: Timings | None = None  # the final delta's: where the request's time in the group went
 
     @classmethod
     def of(cls, out: RequestOutput) -> Delta:
@@ -113,6 +114,7 @@ class Delta:
             out.stop_reason,
             out.error,
             index=out.index,
+            timings=out.timings,
         )
 
     @classmethod
@@ -208,6 +210,7 @@ class Outputs:
             ttft=d.ttft,
             stop_reason=d.stop_reason,
             index=d.index,
+            timings=d.timings,
             chunks=c.chunks,
         )
 

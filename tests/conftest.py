@@ -81,7 +81,7 @@ def ray_local():
 # Every test that starts Ray or talks to a real `kvgrid serve` is marked here, from the code it runs: its own body
 # and every fixture it uses (transitively) that is defined under tests/. A new test on an existing server or Ray
 # fixture, or a new fixture that starts one, is marked without anybody remembering to. `pytest -m "not slow"` is
-# the quick loop; see the README's "Tests" section.
+# the quick loop; see docs/development.md.
 
 _HTTP_CODE = re.compile(r"\bserving\(|\bServer\(|\bSharedServer\(")  # harness: a real kvgrid serve
 _RAY_CODE = re.compile(r"\bray\.init\(|\bCluster\(|\binit_local_ray\(|\bWorkerGroup\(")  # Ray in this process

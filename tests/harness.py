@@ -157,11 +157,15 @@ TEST_DEFAULTS = "model: demo\nblock_size: 16\ngroups: 2\ndevice: cpu\nmax_model_
 SERVE_DIR = "$SERVE_DIR"  # in a config body: the server's own folder (e.g. a kv_tiers disk_path under it)
 
 
-def write_config(folder: Path, port: int, body: str, defaults: str = TEST_DEFAULTS) -> Path:
+def write_config(folder: Path, port: int, body: str, defaults: str = TEST_DEFAULTS, http: str = "") -> Path:
     """A serve config on 127.0.0.1:``port``: ``defaults`` (the demo model on 2 CPU groups), then ``body``
-    (tenants, cache size, ...), with ``SERVE_DIR`` replaced by ``folder``."""
+    (tenants, cache size, ...), with ``SERVE_DIR`` replaced by ``folder``; ``http``: more of the ``http`` section's
+    fields (``"replicas: 2"``)."""
     path = folder / "kvgrid.yaml"
-    path.write_text(f"http: {{host: 127.0.0.1, port: {port}}}\n" + defaults + body.replace(SERVE_DIR, str(folder)))
+    more = f", {http}" if http else ""
+    path.write_text(
+        f"http: {{host: 127.0.0.1, port: {port}{more}}}\n" + defaults + body.replace(SERVE_DIR, str(folder))
+    )
     return path
 
 
@@ -250,12 +254,13 @@ def serving(
     ready: list[tuple[str, str]],
     env: dict[str, str] | None = None,
     defaults: str = TEST_DEFAULTS,
+    http: str = "",
 ) -> Iterator[Server]:
-    """A started server with the config ``defaults`` + ``body`` (everything but ``http``) and its own Redis; both
-    stop after."""
+    """A started server with the config ``defaults`` + ``body`` (everything but ``http``; more ``http`` fields in
+    ``http``, e.g. ``"replicas: 2"``) and its own Redis; both stop after."""
     redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
     port = free_port()
-    config = write_config(tmp_path_factory.mktemp("serve"), port, body, defaults)
+    config = write_config(tmp_path_factory.mktemp("serve"), port, body, defaults, http)
     srv = Server(config, redis_server.url, port, ready, env)
     try:
         srv.start()

@@ -357,7 +357,7 @@ def test_max_ongoing_requests_counts_requests_not_sockets():
         time.sleep(0.3)
         with _connect(port) as sock:
             status, head, _ = _get(sock)  # two requests in the works: a third is turned away, with Retry-After
-            assert status == 503 and b"retry-after: 1" in head.lower()
+            assert status == 503 and b"retry-after: 1" in head.lower() and b"x-request-id: " in head.lower()
             assert all(_response(s)[0] == 200 for s in holds)
             assert _get(sock)[0] == 200  # same connection, kept alive: served once there is room
         assert server.guard.stats["busy"] == 1

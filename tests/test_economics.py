@@ -38,7 +38,7 @@ def _price_table(spec: dict) -> tuple[Fraction, ...]:
 
 
 def _hand_cost(spec: dict, reqs: list[dict]) -> tuple[Fraction, Fraction]:
-    """(cost, cost without the cache) in dollars, by the rules of the README: fresh input, reads, writes by TTL,
+    """(cost, cost without the cache) in dollars, by the rules of docs/economics.md: fresh input, reads, writes by TTL,
     storage per token-hour of the write's TTL, output."""
     inp, out, w5, w1, rd, st = _price_table(spec)
     cost = uncached = Fraction(0)

@@ -136,8 +136,10 @@ def _unique(tag: str) -> str:
 
 def _cached_metric(server: Server, tenant: str) -> float:
     text = httpx.get(f"{server.base}/{tenant}/metrics", headers=_h(tenant), timeout=30).text
-    m = re.search(rf'^kvgrid_cached_tokens_total\{{tenant="{re.escape(tenant)}"\}} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    series = rf'kvgrid_cached_tokens_total\{{model_name="demo",tenant="{re.escape(tenant)}"\}}'
+    m = re.search(rf"^{series} (\S+)$", text, re.M)
+    assert m, text  # the series shows from the start, at 0
+    return float(m.group(1))
 
 
 def _iso_s(stamp: str) -> float:

@@ -171,10 +171,11 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
     lines = [r.getMessage() for r in caplog.records if "hit-rate drop" in r.getMessage()]
     assert len(lines) == 1 and "block 21" in lines[0] and "acme" in lines[0]
     samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in _families(metrics) for s in f.samples}
-    assert samples['kvgrid_hit_rate_drop_alerts_total{"tenant": "acme"}'] == 1
-    assert samples['kvgrid_hit_rate_drop_block{"tenant": "acme"}'] == 21
-    assert samples['kvgrid_hit_rate_drop_active{"tenant": "acme"}'] == 1
-    assert samples['kvgrid_prefix_hit_rate_window{"tenant": "acme", "window": "1m"}'] < 0.4
+    acme = '"model_name": "demo", "tenant": "acme"'
+    assert samples[f"kvgrid_hit_rate_drop_alerts_total{{{acme}}}"] == 1
+    assert samples[f"kvgrid_hit_rate_drop_block{{{acme}}}"] == 21
+    assert samples[f"kvgrid_hit_rate_drop_active{{{acme}}}"] == 1
+    assert samples[f'kvgrid_prefix_hit_rate_window{{{acme}, "window": "1m"}}'] < 0.4
 
 
 def _families(text: str):
@@ -208,6 +209,15 @@ def test_every_dashboard_query_names_an_exported_metric(shared_server):
     counts = {s.name: s.value for f in _families(acme) for s in f.samples if s.name.endswith("_count")}
     for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
         assert counts[f"kvgrid_{h}_seconds_count"] > 0, h
+    for h in ("queue", "prefill", "decode"):  # from the engine's timings of the request
+        assert counts[f"kvgrid_request_{h}_time_seconds_count"] > 0, h
+    tiers = {
+        s.labels["tier"]: s.value
+        for f in _families(acme)
+        for s in f.samples
+        if s.name == "kvgrid_prefix_cache_hit_tokens_total"
+    }
+    assert set(tiers) == {"gpu", "host", "disk"}, tiers
 
 
 def test_advice_endpoint_and_kvgrid_advise_find_a_planted_timestamp(shared_server, capsys):

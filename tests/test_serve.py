@@ -41,7 +41,7 @@ def test_openai_chat_reports_cached_tokens_and_streams_the_same_text(server):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == second.usage.completion_tokens
     assert httpx.get(f"{server.base}/acme/metrics").status_code == 401
     metrics = httpx.get(f"{server.base}/acme/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}).text
-    assert 'kvgrid_requests_total{tenant="acme"}' in metrics
+    assert 'kvgrid_requests_total{model_name="demo",tenant="acme"}' in metrics  # labelled as vLLM's: model_name
     assert "kvgrid_group_" not in metrics and "globex" not in metrics  # only the tenant's own counters
 
 
@@ -247,6 +247,38 @@ def test_ignore_eos_generates_max_tokens_where_the_model_would_stop(server):
 
 
 @pytest.mark.restarts_server
+def test_serve_prints_each_phase_of_its_start_in_order_and_no_secret(server):
+    """kvgrid serve's output: one line per step as it is done (port, Redis, model, Ray, each group with its node, the
+    routers, the gateways), then the banner and ``ready``; never a key."""
+    import re
+
+    from harness import ADMIN_KEY, SECRET, SHARED_INITECH_KEY, SHARED_UMBRELLA_KEY
+
+    text = server.log_text()
+    port = server.port
+    phases = [
+        rf"port 127\.0\.0\.1:{port}: free",
+        rf"redis: {re.escape(server.redis_url)} answers",
+        r"model: demo -> \S+( \(built on first use\))?",
+        r"ray: started locally \(\d+ CPUs\)",
+        r"group 1/2 ready on node \S+",  # the node's address (or id)
+        r"group 2/2 ready on node \S+",
+        r"router: 1 replica\(s\) ready",
+        rf"gateway: 1 replica\(s\) ready on 127\.0\.0\.1:{port}",
+        r"kvgrid is serving demo as model 'demo' with 2 worker group\(s\) of tp=1",
+        r"  tenant acme: OpenAI base_url .*",
+        r"ready",
+    ]
+    lines = text.splitlines()
+    at = 0
+    for phase in phases:  # each after the one before, in the first start's output
+        at = next((i for i in range(at, len(lines)) if re.fullmatch(phase, lines[i])), None)
+        assert at is not None, f"no line {phase!r} in order in:\n{text[-4000:]}"
+        at += 1
+    for secret in (ACME_KEY, GLOBEX_KEY, SHARED_INITECH_KEY, SHARED_UMBRELLA_KEY, ADMIN_KEY, SECRET):
+        assert secret not in text
+
+
 def test_a_restart_keeps_usage_cached_contents_and_the_kv_blocks_on_disk(server, redis_url):
     """Stop the server and start it again with the same Redis, KVGRID_SECRET and disk tier: the usage and cached
     contents in Redis are kept, and a prompt computed before the restart is read from the disk tier after it
@@ -268,6 +300,10 @@ def test_a_restart_keeps_usage_cached_contents_and_the_kv_blocks_on_disk(server,
     disk = server.config.parent / "kv"  # harness.SHARED_BODY's disk_path
     server.stop()  # the groups write their pools down to the disk tier
     assert any(disk.rglob("*")), "nothing was written to the disk tier"
+    # Ray's noise of a start and a stop: the supervisor's arguments "in the object store", a failed
+    # graceful_shutdown task of Serve's controller (router/control/serve.py: both are avoided).
+    text = server.log_text()
+    assert "constructor arguments" not in text and "graceful_shutdown" not in text, text
     server.start()
     after = _written_usage(redis_url)
     assert after == before

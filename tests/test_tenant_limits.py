@@ -178,7 +178,7 @@ def test_a_flooding_tenant_cannot_evict_anothers_pins_or_its_cached_working_set(
     assert working_set >= 64
 
     # acme floods: unique prompts of 400 token ids, about 3 times the 2 x 64 blocks of the whole cache. All of the
-    # same length, so each flood request can reclaim what acme's previous one left on its group: the README's
+    # same length, so each flood request can reclaim what acme's previous one left on its group: docs/tenants.md's
     # bound excludes a flooder whose running requests need more blocks than it holds. The blocks it pushes out of
     # the pools go to host RAM and disk, whose per-tenant shares it overflows too.
     sent = 0

@@ -79,7 +79,7 @@ class EngineConfig:
     # A decode step is small and the HTTP path streams its tokens meanwhile: with cores shared, fewer threads
     # for it wait less on each other (see ModelRunner.pick_threads).
     decode_threads: int | None = None
-    # Host RAM and disk tiers under the KV cache, per rank (worker/kv_tiers.py; README "KV tiers"). Off by default.
+    # Host RAM and disk tiers under the KV cache, per rank (worker/kv_tiers.py; docs/caching.md). Off by default.
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
 
     def __post_init__(self) -> None:
@@ -392,7 +392,7 @@ class Engine:
             params = dataclasses.replace(params, seed=(params.seed + c) % 2**64)
         child = Sequence(f"{parent.request_id}/{c}", parent.prompt_token_ids, params, parent.tenant, parent.root_key)
         child.output_id, child.choice = parent.output_id, c
-        child.arrival_time = parent.arrival_time
+        child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
         self._seqs[child.request_id] = child
         return child
 

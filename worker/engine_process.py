@@ -1,4 +1,4 @@
-"""Rank 0's engine in a process of its own (``GroupConfig.engine_process``; off by default: see the README).
+"""Rank 0's engine in a process of its own (``GroupConfig.engine_process``; off by default: see docs/cluster.md).
 
 A leader rank is a Ray actor: an asyncio event loop that answers the group's callers and streams each step's
 deltas to its subscribers, plus Ray's own threads. With the engine on a thread of that process, every one of a

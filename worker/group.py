@@ -49,6 +49,31 @@ from worker.engine import Engine, EngineConfig, EngineStats, build_runner
 from worker.engine_process import EngineProcess, EngineProcessDied
 
 _log = logging.getLogger(__name__)
+_stats_log = logging.getLogger("worker.stats")
+STATS_INTERVAL_S = float(os.environ.get("KVGRID_STATS_INTERVAL_S", "10"))  # rank 0's stats line (a test's shorter)
+
+
+def stats_line(
+    group: str, prev: EngineStats | None, now: EngineStats, generated: int, seconds: float
+) -> tuple[bool, str]:
+    """A group's stats line over an interval of ``seconds`` (from ``prev`` to ``now``, ``generated`` output tokens
+    in it), vLLM's figures: requests running and waiting, prompt and generation tokens/s, KV cache use (the GPU
+    pool, and each lower tier configured) and the prefix cache hit rate of the prompts admitted meanwhile; and
+    whether the group had work in it (else the line is worth showing only when it differs from the last one).
+    ``prev`` None: the interval since the engine started (its counters from 0)."""
+    before = prev.prefix_cache.values() if prev is not None else ()
+    queried = sum(s.queried_tokens for s in now.prefix_cache.values()) - sum(s.queried_tokens for s in before)
+    hits = sum(s.hit_tokens for s in now.prefix_cache.values()) - sum(s.hit_tokens for s in before)
+    total = now.blocks_used + now.blocks_cached + now.blocks_free
+    kv = [f"GPU {100 * now.blocks_used / max(1, total):.1f}%"]
+    kv += [f"{tier} {100 * t.blocks / max(1, t.capacity):.1f}%" for tier, t in now.kv_tiers.items()]
+    span = max(seconds, 1e-9)
+    line = (
+        f"group {group}: running {now.running} reqs, waiting {now.waiting} reqs, "
+        f"prompt {max(0, queried) / span:.1f} tokens/s, generation {generated / span:.1f} tokens/s, "
+        f"KV cache use {', '.join(kv)}, prefix cache hit rate {100 * max(0, hits) / max(1, queried):.1f}%"
+    )
+    return bool(now.running or now.waiting or queried > 0 or generated > 0), line
 
 
 @dataclass
@@ -105,6 +130,9 @@ class RankActor:
         self._step_started: float | None = None  # monotonic time the running step began
         self._channel: asyncio.Future | None = None  # the direct channel's server, once asked for
         self._channel_token = ""
+        self.group = ""  # the group's name (rank 0's stats line)
+        self._stats_line = False  # rank 0 under `kvgrid serve`: a stats line on its console every STATS_INTERVAL_S
+        self._generated = 0  # output tokens the steps produced, for the stats line
 
     def _set_threads(self, n: int) -> None:
         import torch
@@ -136,6 +164,11 @@ class RankActor:
         if config.kv_tiers.has_disk:  # every group keeps its block files apart (worker/kv_tiers.py)
             config = dataclasses.replace(config, kv_tiers=config.kv_tiers.for_group(group))
         if self.rank == 0:
+            from common.log_relay import relay_logging
+
+            self.group = group
+            # Only with `kvgrid serve`'s log relay (common/log_relay.py): elsewhere the line would reach no console.
+            self._stats_line = relay_logging(fallback=False)
             self.step_timeout_s = config.step_timeout_s
             sink: EventSink = self.events
             if stream_url:
@@ -309,6 +342,8 @@ class RankActor:
         if self._wake is None:
             self._wake = asyncio.Event()
             self._spawn(self._step_loop()).add_done_callback(self._step_loop_ended)
+            if self._stats_line:
+                self._spawn(self._stats_loop())
         rid = req.request_id if req.request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._owner:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -442,6 +477,7 @@ class RankActor:
                 self._step_started = None
             touched = set()
             for out in outs:
+                self._generated += len(out.new_token_ids)
                 sub = self._owner.get(out.request_id)
                 if sub is None:  # aborted meanwhile
                     continue
@@ -451,6 +487,26 @@ class RankActor:
                 touched.add(sub)
             for sub in touched:  # one wake per reader: all of its requests' deltas go in one message
                 sub.wake.set()
+
+    async def _stats_loop(self) -> None:
+        """Rank 0: every ``STATS_INTERVAL_S`` while the group had work or its figures changed, a line like vLLM's
+        (``stats_line``) on `kvgrid serve`'s console; none while it idles."""
+        assert self.engine is not None
+        prev: EngineStats | None = None
+        generated, at, last = 0, time.monotonic(), ""  # the first interval: since the engine started (its first
+        # request's tokens count there, even when it finished before the first sample)
+        while self.error is None:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            try:
+                stats = await self._run(self.engine.stats)
+            except Exception:  # the group failed (said elsewhere), or the engine is busy stopping
+                continue
+            now, gen = time.monotonic(), self._generated
+            line = stats_line(self.group, prev, stats, gen - generated, now - at)
+            if line[0] or line[1] != last:
+                _stats_log.info("%s", line[1])
+                last = line[1]
+            prev, generated, at = stats, gen, now
 
     def _last_choice(self, request_id: str, failed: bool) -> bool:
         """A choice of ``request_id`` finished: whether the request has ended (every one of its ``n`` choices

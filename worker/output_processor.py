@@ -8,10 +8,11 @@ last ``max stop length - 1`` characters before it, which is all a match ending i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from common.outputs import FinishReason, RequestOutput
+from common.outputs import FinishReason, RequestOutput, Timings
 
 if TYPE_CHECKING:  # a Sequence holds its IncrementalDetokenizer: import it for annotations only
     from worker.sampler import SampleResult
@@ -80,6 +81,16 @@ def _decoder(tokenizer) -> Callable[[list[int]], str]:
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def timings(seq: Sequence) -> Timings:
+    """Where a finished request's time went (queued, prefilled, decoded), as offsets from its arrival."""
+    arrived = seq.arrival_time
+    return Timings(
+        scheduled=None if seq.scheduled_time is None else seq.scheduled_time - arrived,
+        first_token=None if seq.first_token_time is None else seq.first_token_time - arrived,
+        finished=time.perf_counter() - arrived,
+    )
 
 
 class OutputProcessor:
@@ -151,6 +162,7 @@ class OutputProcessor:
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             stop_reason=seq.stop_reason,
+            timings=timings(seq) if seq.is_finished else None,
         )
 
     def failed(self, seq: Sequence) -> RequestOutput:
@@ -170,4 +182,5 @@ class OutputProcessor:
             num_pinned_tokens=seq.num_pinned_blocks * self.block_size,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             error=seq.error,
+            timings=timings(seq),
         )

@@ -10,6 +10,7 @@ block instead of computing the same prefix a second time.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -98,6 +99,8 @@ class Scheduler:
                 break  # first come, first served on memory
             self.kv.admit(seq, prefix, n, lower)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:  # (not again after a preemption)
+                seq.scheduled_time = time.perf_counter()
             for key in seq.block_keys[nxt : seq.num_prompt_tokens // self.kv.block_size]:
                 self.inflight.setdefault(key, seq.request_id)
             admitted.append(seq)

@@ -66,6 +66,7 @@ class Sequence:
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first scheduled (the end of its queueing): Timings.scheduled
         self.first_token_time: float | None = None
         self.grammar: Any = None  # a structured output's llguidance matcher, made on first use (worker/structured.py)
         self.generator: torch.Generator | None = None

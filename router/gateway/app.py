@@ -1,7 +1,7 @@
 """The HTTP gateway's ASGI app: every tenant's OpenAI-, Anthropic- and Gemini-compatible APIs, cached content
-objects and Prometheus metrics, under ``/{tenant}/...``, and the admin API under ``/admin``. ``create_app`` binds
-the routes of each API to one replica's ``Gateway``; router/gateway/server.py serves the app from every gateway
-replica.
+objects and Prometheus metrics, under ``/{tenant}/...``, the admin API under ``/admin``, and the probes
+``/health`` and ``/ready`` at the root. ``create_app`` binds the routes of each API to one replica's ``Gateway``;
+router/gateway/server.py serves the app from every gateway replica.
 
     router/gateway/core.py             the Gateway: auth, body parsing, limits, chat prompts, hedged routing,
                                        group streams and retries, usage; errors (ApiError); docs and metrics
@@ -11,6 +11,8 @@ replica.
     router/gateway/usage_api.py        /v1/usage, /v1/cache/advice; the admin API's usage, alerts, ledger metrics
     router/gateway/gemini_api.py       the Gemini API (/v1beta): generateContent, countTokens, cachedContents
     router/gateway/protocol.py         the request and response bodies of all of them, as pydantic models
+    router/gateway/health.py           /health (liveness) and /ready (readiness: Redis, a router, a group)
+    router/gateway/access.py           X-Request-Id on every response, one access log line per request
 
 One app serves every tenant, so no route lists them, and an unknown tenant gets exactly the 401 of a wrong
 key."""
@@ -21,8 +23,11 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from router.gateway import anthropic_api, cached_contents, core, gemini_api, openai_api, usage_api
+from router.gateway.access import AccessLog
 from router.gateway.core import ApiError, Gateway, api_error, store_unavailable
+from router.gateway.health import Health
 from router.gateway.store import StoreUnavailable
+from router.gateway.tracing import TraceMiddleware
 
 __all__ = ["Gateway", "create_app"]
 
@@ -32,13 +37,19 @@ async def _healthz() -> Response:
     return Response("success", media_type="text/plain")
 
 
-def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
-    """The gateway's ASGI app: every tenant's routes bound to ``gateway``, and the admin API under ``/admin``."""
+def create_app(gateway: Gateway, admin: FastAPI | None = None, health: Health | None = None) -> FastAPI:
+    """The gateway's ASGI app: every tenant's routes bound to ``gateway``, the admin API under ``/admin``, the
+    probes ``/health`` and ``/ready`` (``health``: the replica's, which the admin API shares; else one of its own),
+    and around it all the request ids and the access log (router/gateway/access.py)."""
     app = FastAPI(title="kvgrid gateway", docs_url=None, redoc_url=None, openapi_url=None)
     # Starlette types a handler as taking any Exception; each is called only with the class it is added for.
     app.add_exception_handler(ApiError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(StoreUnavailable, store_unavailable)  # type: ignore[arg-type]
+    app.add_middleware(AccessLog, enabled=gateway.config.logging.access_log)
     app.add_api_route("/-/healthz", _healthz, methods=["GET"], include_in_schema=False)
+    health = health if health is not None else Health(gateway.redis, gateway.routers)
+    app.add_api_route("/health", health.health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/ready", health.ready, methods=["GET"], include_in_schema=False)
     if admin is not None:
         app.mount("/admin", admin)  # before the tenant routes: "/{tenant}/..." would take "/admin/..." too
     core.routes.include(app, gateway)
@@ -50,4 +61,6 @@ def create_app(gateway: Gateway, admin: FastAPI | None = None) -> FastAPI:
     if admin is not None:
         usage_api.mount_admin(admin, usage)
     gemini_api.routes.include(app, gemini_api.GeminiApi(gateway))
+    if gateway.tracing is not None:  # each request's root span (router/gateway/tracing.py); added last: outermost
+        app.add_middleware(TraceMiddleware, tracing=gateway.tracing)
     return app

@@ -27,6 +27,7 @@ import bisect
 import json
 import re
 import secrets
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -307,6 +308,7 @@ def encode_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    marks: list[int] | None = None,
 ) -> ChatPrompt:
     """Render ``messages`` with the tokenizer's chat template and tokenise the result so that special tokens come
     only from the template, never from a message's text. Raises ``ChatTemplateError`` when the template refuses the
@@ -316,9 +318,14 @@ def encode_chat(
     ``{"type": "function", "function": {...}}`` shape). An assistant message may carry ``tool_calls`` (OpenAI's
     shape, arguments as a dict or a JSON string), a ``tool`` message a result as its content. Special-token text
     in that JSON is encoded as plain text too. A template without tool syntax gets them as message text
-    (``_tools_as_text``); the content spans are still those of the request's messages' own texts."""
+    (``_tools_as_text``); the content spans are still those of the request's messages' own texts.
+
+    ``marks``: when given, ``time.time_ns()`` once the template is rendered is appended to it (the gateway's
+    ``template`` and ``tokenize`` spans, router/gateway/tracing.py)."""
     shown, tools, first, own = _tools_as_text(tokenizer, messages, tools)
     text, placed = _render(tokenizer, shown, add_generation_prompt, tools)
+    if marks is not None:
+        marks.append(time.time_ns())
     by_message: list[tuple[int, int] | None] = [None] * len(messages)
     for k, span in placed:
         i = k - first

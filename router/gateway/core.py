@@ -19,27 +19,30 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
 
 from common.config import MonitoringConfig, ServeConfig, TenantConfig
 from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
-from common.outputs import RequestOutput, merge_choices
+from common.outputs import RequestOutput, Timings, merge_choices
 from common.protocol import GroupClient, RouterHandle, Submit
 from common.sampling import SamplingParams, StructuredOutput
+from router.gateway.access import current as current_access
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.gateway.economics import Prices, RequestCost, dollars, request_cost
 from router.gateway.keep_alive import KeepAlive
 from router.gateway.monitoring import (
     E2E_BUCKETS,
     ITL_BUCKETS,
+    PHASE_BUCKETS,
     TTFT_BUCKETS,
     WINDOWS,
     Alert,
@@ -59,6 +62,7 @@ from router.gateway.protocol import (
     parse_body,
     ttl_seconds,
 )
+from router.gateway.replica_metrics import ReplicaMetrics, Source, tenant_extras
 from router.gateway.routes import Routes
 from router.gateway.store import (
     AlertLog,
@@ -72,6 +76,7 @@ from router.gateway.store import (
     connect,
     presented_key,
 )
+from router.gateway.tracing import Tracing, current_trace, traced
 from router.routing.router import RouteDecision
 
 log = logging.getLogger(__name__)
@@ -235,13 +240,36 @@ def group_failure(exc: Exception, group: str, api: str) -> Exception:
 
 
 class _Metrics:
-    """A tenant's Prometheus metrics in this replica (``GET /{tenant}/metrics``): traffic and cache counters, cost
-    at its prices, the cache-read share over recent windows, latency histograms and the hit-rate drop alarm
-    (router/gateway/monitoring.py)."""
+    """A tenant's Prometheus metrics in this replica: traffic and cache counters, cost at its prices, the cache-read
+    share over recent windows, latency histograms and the hit-rate drop alarm (router/gateway/monitoring.py), each
+    labelled ``tenant`` and ``model_name`` (the served model id, as vLLM labels its series). ``GET /{tenant}/metrics``
+    shows them merged over every gateway replica (router/gateway/replica_metrics.py).
 
-    def __init__(self, tenant: str, block_size: int = 16, monitoring: MonitoringConfig | None = None) -> None:
+    vLLM's names for the same figures (kvgrid keeps its own; a query can be written for either):
+    ``kvgrid_requests_total`` ~ ``vllm:request_success_total`` (summed over ``finished_reason``),
+    ``kvgrid_prompt_tokens_total`` ~ ``vllm:prompt_tokens_total``, ``kvgrid_output_tokens_total`` ~
+    ``vllm:generation_tokens_total``, ``kvgrid_cached_tokens_total`` / ``kvgrid_prompt_tokens_total`` ~
+    ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (tokens; vLLM counts the engine's
+    lookups, kvgrid the reuse billed to the tenant), ``kvgrid_time_to_first_token_seconds``,
+    ``kvgrid_inter_token_latency_seconds`` and ``kvgrid_e2e_request_latency_seconds`` ~ vLLM's
+    ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (formerly
+    ``vllm:time_per_output_token_seconds``) and ``vllm:e2e_request_latency_seconds`` (the same buckets; measured at
+    the gateway, so they include routing and the network to the group). ``kvgrid_request_queue_time_seconds``,
+    ``kvgrid_request_prefill_time_seconds`` and ``kvgrid_request_decode_time_seconds`` ~
+    ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds`` and
+    ``vllm:request_decode_time_seconds`` (the engine's own clock: common/outputs.py ``Timings``; an ``n`` > 1 request
+    once, from its first choice scheduled to its last finished). ``kvgrid_prefix_cache_hit_tokens_total{tier}``
+    (tier ``gpu``, ``host`` or ``disk``) ~ ``vllm:prefix_cache_hits_total`` split by where the reused blocks were:
+    the tokens the group reused (its report), split by the tiers the router found them in at routing time (the
+    host and disk parts capped at the reuse, the GPU part the rest); a tier's hit rate is its rate over
+    ``rate(kvgrid_prompt_tokens_total)``."""
+
+    def __init__(
+        self, tenant: str, block_size: int = 16, monitoring: MonitoringConfig | None = None, model_name: str = ""
+    ) -> None:
         self.registry = CollectorRegistry()
-        r, lbl = self.registry, ["tenant"]
+        self.model_name = model_name
+        r, lbl = self.registry, ["tenant", "model_name"]
         self.requests = Counter("kvgrid_requests", "Requests served", lbl, registry=r)
         self.prompt = Counter("kvgrid_prompt_tokens", "Prompt tokens", lbl, registry=r)
         self.cached = Counter("kvgrid_cached_tokens", "Prompt tokens served from the prefix cache", lbl, registry=r)
@@ -268,6 +296,18 @@ class _Metrics:
         self.e2e = Histogram(
             "kvgrid_e2e_request_latency_seconds", "End-to-end request latency", lbl, registry=r, buckets=E2E_BUCKETS
         )
+        self.queue = Histogram(
+            "kvgrid_request_queue_time_seconds", "Time waiting in the group", lbl, registry=r, buckets=PHASE_BUCKETS
+        )
+        self.prefill = Histogram(
+            "kvgrid_request_prefill_time_seconds", "Prefill time", lbl, registry=r, buckets=PHASE_BUCKETS
+        )
+        self.decode = Histogram(
+            "kvgrid_request_decode_time_seconds", "Decode time", lbl, registry=r, buckets=PHASE_BUCKETS
+        )
+        self.tier_hits = Counter(
+            "kvgrid_prefix_cache_hit_tokens", "Prompt tokens the group reused, by KV tier", [*lbl, "tier"], registry=r
+        )
         self.alerts = Counter("kvgrid_hit_rate_drop_alerts", "Hit-rate drop alerts", lbl, registry=r)
         self.alert_active = Gauge("kvgrid_hit_rate_drop_active", "1 during a hit-rate drop", lbl, registry=r)
         self.alert_block = Gauge(
@@ -283,15 +323,18 @@ class _Metrics:
         self.windows = self.alarm.windows if self.alarm is not None else ShareWindows()
         self.clock = time.time  # the alarm's clock (a test's simulated one)
         self._prompt_total = self._cached_total = 0
+        self.last_alert: Alert | None = None  # this replica's newest (its time decides the merged drop block)
         # Every series shows from the start, at 0; the children are kept (a labels() lookup per use costs more).
         self._n = {
-            name: getattr(self, name).labels(tenant)
+            name: getattr(self, name).labels(tenant, model_name)
             for name in (
                 *("requests", "prompt", "cached", "output", "predicted", "actual", "writes", "cost"),
                 *("uncached_cost", "alerts", "hit_rate", "alert_active", "alert_block", "ttft", "itl", "e2e"),
+                *("queue", "prefill", "decode"),
             )
         }
-        self._windows = {w: self.window_rate.labels(tenant, w) for w in WINDOWS}
+        self._windows = {w: self.window_rate.labels(tenant, model_name, w) for w in WINDOWS}
+        self._tiers = {tier: self.tier_hits.labels(tenant, model_name, tier) for tier in ("gpu", "host", "disk")}
 
     def record(
         self,
@@ -333,6 +376,7 @@ class _Metrics:
         if alert is not None:
             n["alerts"].inc()
             n["alert_block"].set(alert.block)
+            self.last_alert = alert
         return alert
 
     def observe(self, timing: RequestTiming) -> None:
@@ -345,6 +389,26 @@ class _Metrics:
         if timing.e2e is not None:
             self._n["e2e"].observe(timing.e2e)
 
+    def observe_group(self, timings: list[Timings], reused: int, host: int, disk: int) -> None:
+        """A finished request's time in its group (the ``Timings`` of each choice's final output: queue, prefill,
+        decode) and the ``reused`` prompt tokens of it, of which the router found up to ``host`` in host RAM and up
+        to ``disk`` on disk."""
+        scheduled = min((t.scheduled for t in timings if t.scheduled is not None), default=None)
+        first = min((t.first_token for t in timings if t.first_token is not None), default=None)
+        if timings:
+            finished = max(t.finished for t in timings)
+            self._n["queue"].observe(finished if scheduled is None else scheduled)
+            if scheduled is not None:
+                self._n["prefill"].observe(max(0.0, (finished if first is None else first) - scheduled))
+                if first is not None:
+                    self._n["decode"].observe(max(0.0, finished - first))
+        if reused > 0:
+            disk = min(disk, reused)
+            host = min(host, reused - disk)
+            self._tiers["gpu"].inc(reused - host - disk)
+            self._tiers["host"].inc(host)
+            self._tiers["disk"].inc(disk)
+
 
 class Tenant:
     """One tenant's state in this replica: its config, rate limiter, metrics and in-flight count."""
@@ -355,10 +419,11 @@ class Tenant:
         limiter: RateLimiter,
         block_size: int = 16,
         monitoring: MonitoringConfig | None = None,
+        model_name: str = "",
     ) -> None:
         self.name, self.config = config.name, config
         self.limiter = limiter
-        self.metrics = _Metrics(config.name, block_size, monitoring)
+        self.metrics = _Metrics(config.name, block_size, monitoring, model_name)
         self.prices = Prices.from_config(config.prices)
         self.inflight = 0
 
@@ -651,6 +716,7 @@ class Gateway:
                 RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min),
                 config.block_size,
                 config.monitoring,
+                config.model_id,
             )
             for t in config.tenants
         }
@@ -661,6 +727,17 @@ class Gateway:
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
         self.keep_alive = KeepAlive(self)  # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
         self.keep_alive.start()
+        # Each tenant's metrics published to Redis every second and merged over the replicas at a scrape
+        # (router/gateway/replica_metrics.py); created after KeepAlive, whose counters are in the same registries.
+        self.replica_metrics = ReplicaMetrics(
+            self.redis,
+            {name: Source(t.metrics.registry, partial(tenant_extras, t.metrics)) for name, t in self.tenants.items()},
+        )
+        self.metrics_on = config.metrics.enabled  # off: no metric updates per request, no publishing
+        if self.metrics_on:
+            self.replica_metrics.start()
+        # OpenTelemetry traces of the requests (router/gateway/tracing.py): None without ``tracing`` in the config.
+        self.tracing = Tracing.start(config.tracing)
 
     async def close(self) -> None:
         """When the replica stops, on the loop that served it: let the background writes started by finished
@@ -674,7 +751,11 @@ class Gateway:
             await self.ledger.close()
         except StoreUnavailable:
             log.warning("usage not yet written to Redis was lost at shutdown")
+        if self.metrics_on:
+            await self.replica_metrics.close()  # its last samples; its counters stay in the totals
         await self.redis.aclose()
+        if self.tracing is not None:  # the spans still buffered go out (a collector that is gone: SHUTDOWN_S)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     # -- admission ---------------------------------------------------------------------------------------------
 
@@ -683,10 +764,17 @@ class Gateway:
         same 401 as a wrong key, so tenant names cannot be probed. Every route calls this first: the request's
         errors from here on are in ``api``'s format."""
         request.state.api = api
-        t = self.tenants.get(tenant)
-        ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: no timing difference
-        if t is None or not ok:
-            raise err(401, "invalid API key for this tenant", api)
+        with traced("auth"):
+            t = self.tenants.get(tenant)
+            ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: same timing
+            if t is None or not ok:
+                raise err(401, "invalid API key for this tenant", api)
+        acc = current_access()  # the access log's record of this request (router/gateway/access.py)
+        if acc is not None:
+            acc.tenant, acc.model = t.name, self.model_id
+        rt = current_trace()
+        if rt is not None:
+            rt.annotate({"kvgrid.tenant": t.name, "kvgrid.api": api, "kvgrid.model": self.model_id})
         return t
 
     async def body(self, request: Request, model: type[BaseModel], api: str) -> Any:
@@ -821,7 +909,11 @@ class Gateway:
         """A completion's text prompt as token ids (special-token text matched: it is the caller's own template);
         413 at once for one too long by its characters alone."""
         self.check_chars(t, len(text), api)
-        return await self.compute(t, self._encode_text, text, inline=len(text) <= INLINE_CHARS)
+        with traced("tokenize") as span:
+            ids = await self.compute(t, self._encode_text, text, inline=len(text) <= INLINE_CHARS)
+            if span is not None:
+                span.set_attribute("kvgrid.prompt_tokens", len(ids))
+        return ids
 
     def _encode_text(self, text: str) -> list[int]:
         return self.thread_tokenizer().encode(text, add_special_tokens=False)
@@ -841,17 +933,34 @@ class Gateway:
         chars = sum(len(m["content"].strip()) for m in messages if isinstance(m.get("content"), str))
         self.check_chars(t, chars, api)
         inline = chars <= INLINE_CHARS and not tools and not any(m.get("tool_calls") for m in messages)
+        rt = current_trace()
+        marks: list[int] | None = None if rt is None else []  # traced: when templating and tokenizing ran
+        prompt: ChatPrompt | None = None
         try:
-            prompt = await self.compute(t, self._encode_chat, messages, generation, tools, inline=inline)
+            prompt = await self.compute(t, self._encode_chat, messages, generation, tools, marks, inline=inline)
         except ChatTemplateError as exc:
             raise err(400, f"messages: {exc}", api) from None
+        finally:
+            if rt is not None and marks:
+                rt.chat_spans(marks, None if prompt is None else len(prompt.token_ids))
         _CHAT.set((messages, generation, prompt.token_ids, tools))  # for the advisor's sample (``sample``)
         return prompt
 
     def _encode_chat(
-        self, messages: list[dict[str, Any]], generation: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        generation: bool,
+        tools: list[dict] | None = None,
+        marks: list[int] | None = None,
     ) -> ChatPrompt:
-        return encode_chat(self.thread_tokenizer(), messages, add_generation_prompt=generation, tools=tools)
+        if marks is not None:
+            marks.append(time.time_ns())
+        prompt = encode_chat(
+            self.thread_tokenizer(), messages, add_generation_prompt=generation, tools=tools, marks=marks
+        )
+        if marks is not None:
+            marks.append(time.time_ns())
+        return prompt
 
     async def cached_prefix(self, t: Tenant, cid: str | None, api: str) -> tuple[list[int], float]:
         """Token ids and remaining TTL of a referenced cached content object."""
@@ -1019,15 +1128,28 @@ class Gateway:
         failed: list[str] = []
         rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         timing = RequestTiming(time.monotonic())  # latencies as the client sees them, retries included
+        acc = current_access() if account is not no_account else None  # the access log's record of the request
+        rt = current_trace()  # the request's trace (router/gateway/tracing.py), when tracing is on
         while True:
             attempt = f"{rid}-{len(failed)}"
             router: RouterHandle | None = None
             decision: RouteDecision | None = None
             out: RequestOutput | None = None
             lasts: dict[int, RequestOutput] = {}  # n > 1: each choice's latest output
+            finals: list[tuple[int, RequestOutput]] | None = None if rt is None else []  # (arrived, final output)
+            timings: list[Timings] = []  # the engine's, of each choice's final output
             yielded = finished = False
             try:
-                router, decision = await self._route(t, prompt, attempt, failed, api, cache_key, n)
+                if rt is None:
+                    router, decision = await self._route(t, prompt, attempt, failed, api, cache_key, n)
+                else:
+                    routed = time.time_ns()
+                    try:
+                        router, decision = await self._route(t, prompt, attempt, failed, api, cache_key, n)
+                    except BaseException as exc:
+                        rt.route_span(routed, None, self.config.block_size, len(failed), exc)
+                        raise
+                    rt.route_span(routed, decision, self.config.block_size, len(failed))
                 req = Submit(prompt, params, t.name, attempt, pin_tokens, pin_ttl_s, n)
                 left = n
                 async for out in _outputs(self._client(decision), req, api):
@@ -1038,7 +1160,14 @@ class Gateway:
                     left -= out.finished
                     finished = left == 0
                     yielded = True
+                    if out.finished:
+                        if out.timings is not None:
+                            timings.append(out.timings)
+                        if finals is not None:
+                            finals.append((time.time_ns(), out))
                     timing.tick(time.monotonic(), len(out.new_token_ids))
+                    if acc is not None and out.new_token_ids:
+                        acc.first_token()
                     yield out, decision.cached_tokens
                     if finished:
                         break
@@ -1054,12 +1183,18 @@ class Gateway:
             finally:
                 if router is not None:
                     self.reports.add(router, "finish", attempt)  # also when the client left during routing
+                if rt is not None and finals and decision is not None:  # queue, prefill, decode: the engine's timings
+                    rt.group_spans(decision.group, finals)
                 if out is not None and decision is not None:  # an output came from the routed group
                     _PIN_TTL.set(pin_ttl_s)  # what ``Gateway.account`` prices this request's writes at
                     account(merge_choices(list(lasts.values())) if lasts else out, decision.cached_tokens)
-                if finished and account is not no_account:  # internal requests are not the tenant's latency
+                if finished and account is not no_account and self.metrics_on:  # internal ones: not the tenant's
                     timing.finish(time.monotonic())
                     t.metrics.observe(timing)
+                    if decision is not None and out is not None:
+                        t.metrics.observe_group(
+                            timings, out.num_cached_tokens, decision.host_tokens, decision.disk_tokens
+                        )
 
     # -- accounting --------------------------------------------------------------------------------------------
 
@@ -1097,9 +1232,14 @@ class Gateway:
             cache_read_tokens=read,
             **cost.ledger_fields(),
         )
-        alert = t.metrics.record(
-            n_prompt, cached, n_out, predicted, out.num_cached_tokens, out.prompt_token_ids, cost, write
-        )
+        alert = None
+        if self.metrics_on:
+            alert = t.metrics.record(
+                n_prompt, cached, n_out, predicted, out.num_cached_tokens, out.prompt_token_ids, cost, write
+            )
+        acc = current_access()
+        if acc is not None:
+            acc.usage(n_prompt, cached, n_out)
         if alert is not None:
             log.warning("%s", alert.message())
             self.spawn(self.alerts.push(alert.public()))
@@ -1141,6 +1281,9 @@ class Gateway:
     @routes.get("/{tenant}/metrics")
     async def metrics(self, tenant: str, request: Request):
         """This tenant's own counters only: worker-group load moves with every tenant's traffic, so it is on the
-        admin API (``/admin/v1/metrics``), never here."""
+        admin API (``/admin/v1/metrics``), never here. Every gateway replica's samples, merged (whichever replica
+        answers: router/gateway/replica_metrics.py); 503 while Redis is unavailable."""
         t = self.auth(tenant, request, "openai")
-        return Response(generate_latest(t.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if not self.metrics_on:
+            raise err(404, "metrics are off on this server (metrics: {enabled: false} in its config)", "openai")
+        return Response(await self.replica_metrics.exposition(t.name), media_type=CONTENT_TYPE_LATEST)

@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.config import HttpConfig
+from router.gateway.access import AccessLog
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ _NEW, _IDLE, _HEAD, _BODY, _BUSY = range(5)
 
 @dataclass(frozen=True)
 class ConnectionPolicy:
-    """The connection limits of one HTTP server (``HttpConfig``'s; see there and README "HTTP connections")."""
+    """The connection limits of one HTTP server (``HttpConfig``'s; see there and docs/operations.md)."""
 
     idle_timeout_s: float = 10.0
     header_timeout_s: float = 10.0
@@ -233,7 +234,7 @@ def quiet_disconnects(app: Any) -> Any:
     return quiet
 
 
-async def _busy(scope: Any, receive: Any, send: Any) -> None:
+async def _busy_answer(scope: Any, receive: Any, send: Any) -> None:
     """The answer past ``http.max_ongoing_requests``."""
     body = b"this gateway replica is at http.max_ongoing_requests; retry"
     headers = [
@@ -243,6 +244,9 @@ async def _busy(scope: Any, receive: Any, send: Any) -> None:
     ]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+_busy = AccessLog(_busy_answer)  # with its X-Request-Id and access log line, like every other answer
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):

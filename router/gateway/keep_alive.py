@@ -402,26 +402,28 @@ class EntryReuse(_Backed):
 
 
 class _TenantCounters:
-    """A tenant's keep-alive series on its own metrics (``GET /{tenant}/metrics``, this replica's decisions)."""
+    """A tenant's keep-alive series on its own metrics (``GET /{tenant}/metrics``: this replica's decisions, merged
+    there with every other replica's), labelled like the rest of them (``tenant``, ``model_name``)."""
 
     def __init__(self, t: Tenant) -> None:
-        r, name = t.metrics.registry, t.name
+        r, name, model = t.metrics.registry, t.name, t.metrics.model_name
+        lbl = ["tenant", "model_name"]
         decisions = Counter(
             "kvgrid_keep_alive_decisions",
             "Keep-alive decisions on explicit entries",
-            ["tenant", "decision"],
+            [*lbl, "decision"],
             registry=r,
         )
-        self.keep, self.drop = decisions.labels(name, "keep"), decisions.labels(name, "drop")
+        self.keep, self.drop = decisions.labels(name, model, "keep"), decisions.labels(name, model, "drop")
         self.kept = Counter(
-            "kvgrid_keep_alive_kept_token_seconds", "Token-seconds kept past their TTL", ["tenant"], registry=r
-        ).labels(name)
+            "kvgrid_keep_alive_kept_token_seconds", "Token-seconds kept past their TTL", lbl, registry=r
+        ).labels(name, model)
         self.cost = Counter(
             "kvgrid_keep_alive_cost_dollars",
             "What keeping entries alive cost at the tenant's prices",
-            ["tenant"],
+            lbl,
             registry=r,
-        ).labels(name)
+        ).labels(name, model)
 
 
 def period_from_env() -> float | None:
@@ -751,7 +753,7 @@ def bench(
     """``kvgrid bench keep-alive``: the replay of each seeded workload at each preset's prices."""
     results = []
     for preset in presets:
-        prices = Prices.from_config(PricesConfig(preset=preset))
+        prices = Prices.from_config(PricesConfig.model_validate({"preset": preset}))  # a preset's name, checked
         for seed in seeds:
             workload, horizon = sparse_workload(seed, entries, hours * 3600, ttl_s)
             costs = replay(prices, workload, horizon)

@@ -29,8 +29,10 @@ from fastapi import FastAPI
 from ray import serve
 
 from common.config import HttpConfig, ServeConfig
+from common.log_relay import relay_logging
 from router.gateway.admin import Admin, create_admin_app
 from router.gateway.app import Gateway, create_app
+from router.gateway.health import Health
 from router.gateway.ingress import ConnectionGuard, ConnectionPolicy, connection_cap, protocol_for, quiet_disconnects
 from router.gateway.store import KeyRing
 
@@ -195,15 +197,18 @@ class GatewayReplica:
         self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list, redis_url: str, supervisor=None
     ) -> None:
         self.gateway: Gateway | None = None
+        # The access log and kvgrid's records go to `kvgrid serve`'s console (common/log_relay.py).
+        relay_logging(config.logging.access_log)
 
         def make_app() -> FastAPI:
             self.gateway = Gateway(config, keys, model_path, routers, redis_url)
+            health = Health(self.gateway.redis, routers)  # /ready and the admin API's /v1/status share its probes
             admin = None
             if supervisor is not None:
                 admin = create_admin_app(
-                    Admin(keys, [t.name for t in config.tenants], supervisor, routers, config.http.docs)
+                    Admin(keys, [t.name for t in config.tenants], supervisor, routers, config.http.docs, health)
                 )
-            return create_app(self.gateway, admin)
+            return create_app(self.gateway, admin, health)
 
         self.ingress = IngressServer(
             make_app,

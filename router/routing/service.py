@@ -48,6 +48,10 @@ class RouterService:
         supervisor: str | None = None,
         policy_args: dict[str, float] | None = None,
     ) -> None:
+        if supervisor is not None:  # a replica of `kvgrid serve`: its warnings go to the console (common/log_relay.py)
+            from common.log_relay import relay_logging
+
+            relay_logging()
         # policy_args: the policy's settings (the serve config's routing: its tier load weights)
         self.router = Router(
             list(leaders),
