@@ -19,222 +19,47 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.checks import is_power_of_two
+from common.config_base import ConfigError, Strict as _Strict, parse_duration
 from common.errors import field_path
+from common.tenant_config import (
+    PRICE_FIELDS,
+    AdviceConfig,
+    CacheConfig,
+    LimitsConfig,
+    MonitoringConfig,
+    PricesConfig,
+    TenantConfig,
+)
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the field."""
-
-
-def parse_duration(value: str | int | float) -> float:
-    """Seconds in ``value``: a number of seconds, or text like ``"90s"``, ``"5m"``, ``"1h"``."""
-    if isinstance(value, bool):
-        raise ValueError("a duration must be a number of seconds or text like '5m'")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        m = _DURATION.match(str(value))
-        if m is None:
-            raise ValueError(f"{value!r} is not a duration (use e.g. 30s, 5m, 1h)")
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise ValueError("a duration must be positive")
-    return seconds
-
-
-class _Strict(BaseModel):
-    """Every config model: unknown keys are refused, and values are not coerced from another type (``groups: true``
-    and ``min_prefix_tokens: "64"`` are errors; an int is accepted for a float). Durations keep their own
-    before-validators (``parse_duration``): ``5m``, ``90s`` or a number of seconds."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class CacheConfig(_Strict):
-    """A tenant's prompt caching."""
-
-    mode: Literal["implicit", "explicit"] = Field(
-        "implicit",
-        description="implicit: every prompt's prefix is cached and reused automatically (OpenAI's way); explicit: "
-        "the client marks what to keep (Anthropic's cache_control, Gemini's cached contents) and sees all reuse",
-    )
-    min_prefix_tokens: int = Field(
-        1024,
-        ge=1,
-        description="implicit mode: cached tokens are reported (and billed as cache reads) only from this many up",
-    )
-    default_ttl: float = Field(
-        300.0,
-        description="Seconds (or 30s, 5m, 1h) an explicit pin or cached content lives when it names no TTL",
-    )
-    max_pinned_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="The most tokens this tenant may hold pinned on a group at once (default: its weighted part of "
-        "the pin budget, see share)",
-    )
-    share: float = Field(
-        1.0,
-        gt=0,
-        description="Weight of this tenant's share of every group's KV cache (eviction takes from the tenant "
-        "holding the most for its weight) and of the pin budget",
-    )
-
-    @field_validator("default_ttl", mode="before")
-    @classmethod
-    def _ttl(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
-
-
-class LimitsConfig(_Strict):
-    """Per-tenant limits; beyond them the tenant (only) gets 429 with Retry-After, or 413 for a long prompt."""
-
-    requests_per_s: int | None = Field(
-        None, ge=1, description="Requests per second, counted in Redis over every gateway replica (none: no limit)"
-    )
-    tokens_per_min: int | None = Field(
-        None,
-        ge=1,
-        description="Prompt tokens plus the max output tokens asked for, per minute, over every replica (none: no "
-        "limit)",
-    )
-    max_prompt_tokens: int | None = Field(
-        None, ge=1, description="The longest prompt in tokens; a longer one gets 413 (none: the model's context)"
-    )
-    max_inflight_requests: int = Field(
-        256, ge=1, description="Requests running at once, counted by each gateway replica"
-    )
-    max_cached_contents: int = Field(
-        100, ge=0, description="Live cached content objects (/v1/cachedContents); past it a create is refused"
-    )
-    max_cached_content_tokens: int = Field(
-        1_000_000, ge=0, description="The tokens of all live cached contents together; past it a create is refused"
-    )
-
-
-# Price fields: dollars per million tokens (storage: per million token-hours), at most 6 decimals.
-PRICE_FIELDS = ("input", "output", "cache_write_5m", "cache_write_1h", "cache_read", "storage")
-
-
-class PricesConfig(_Strict):
-    """A tenant's price table (router/gateway/economics.py): a vendor ``preset`` and/or any of the fields, which
-    override the preset's. A field left out is the preset's, or 0 without a preset."""
-
-    preset: Literal["openai", "anthropic", "gemini", "deepseek"] | None = Field(
-        None, description="A vendor's price table to start from (the fields given override its prices)"
-    )
-    input: float | None = Field(None, ge=0, le=1e6, description="Dollars per million uncached prompt tokens")
-    output: float | None = Field(None, ge=0, le=1e6, description="Dollars per million output tokens")
-    cache_write_5m: float | None = Field(
-        None, ge=0, le=1e6, description="Dollars per million tokens written to a cache entry with a TTL <= 5 min"
-    )
-    cache_write_1h: float | None = Field(
-        None, ge=0, le=1e6, description="Dollars per million tokens written to a cache entry with a longer TTL"
-    )
-    cache_read: float | None = Field(
-        None, ge=0, le=1e6, description="Dollars per million prompt tokens served from the cache"
-    )
-    storage: float | None = Field(
-        None, ge=0, le=1e6, description="Dollars per million token-hours of an explicit entry's TTL (storage)"
-    )
-
-    @field_validator(*PRICE_FIELDS)
-    @classmethod
-    def _micro(cls, v: float | None) -> float | None:
-        if v is not None and abs(v * 1e6 - round(v * 1e6)) > 1e-6:
-            raise ValueError("a price has at most 6 decimals (dollars per million tokens)")
-        return v
-
-
-class AdviceConfig(_Strict):
-    """The cache advisor's sample (GET /{tenant}/v1/cache/advice): the ``sample`` most recent prompts of the
-    tenant, kept in Redis under its own key for ``ttl``; 0 = off (the default: prompts are not kept)."""
-
-    sample: int = Field(
-        0, ge=0, le=1000, description="How many of the tenant's most recent prompts are kept for the advisor (0: off)"
-    )
-    ttl: float = Field(3600.0, description="Seconds (or 30m, 1h) the sample lives after its last prompt")
-
-    @field_validator("ttl", mode="before")
-    @classmethod
-    def _ttl(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
-
-
-class MonitoringConfig(_Strict):
-    """The hit-rate drop alarm of every tenant (router/gateway/monitoring.py ``DropAlarm``; docs/economics.md)."""
-
-    drop_alerts: bool = Field(True, description="Watch every tenant's cache hit rate and alert when it drops")
-    window: float = Field(60.0, description="Seconds (or 1m): the hit share of this last window is compared ...")
-    baseline: float = Field(300.0, description="... with the share over this long before it (seconds, or 5m)")
-    drop_ratio: float = Field(
-        0.5, gt=0, lt=1, description="The alarm fires below this fraction of the baseline's share"
-    )
-    min_share: float = Field(0.2, ge=0, le=1, description="The smallest baseline share worth watching")
-    streak: int = Field(
-        10, ge=1, le=1000, description="... and only when the last this many requests all lost their hit"
-    )
-
-    @field_validator("window", "baseline", mode="before")
-    @classmethod
-    def _seconds(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
-
-
-class TenantConfig(_Strict):
-    """One tenant: its own URLs (``/{name}/...``), API keys, cache, limits and prices."""
-
-    name: str = Field(
-        description="The tenant's name: 1-63 lowercase letters, digits, '-' or '_'; its URLs start with /{name}"
-    )
-    api_keys: list[str] = Field(
-        min_length=1,
-        description="The keys its clients send (Authorization: Bearer, x-api-key or ?key=); at least 8 characters "
-        "each, each key of one tenant only",
-    )
-    cache: CacheConfig = Field(CacheConfig(), description="Its prompt caching: implicit or explicit, TTL, share")
-    limits: LimitsConfig = Field(LimitsConfig(), description="Its rate, size and concurrency limits")
-    prices: PricesConfig | None = Field(
-        None, description="Its price table; none: usage is counted but not priced (every cost 0)"
-    )
-    advice: AdviceConfig = Field(AdviceConfig(), description="The cache advisor's sample of its prompts (off)")
-    # auto with prices that can never keep (none, or a write not dearer than a read) loads, with a warning at start.
-    keep_alive: Literal["off", "auto"] = Field(
-        "off",
-        description="auto: keep explicit (cache_control) entries warm past their TTL while their reuse pays "
-        "(router/gateway/keep_alive.py); off: never",
-    )
-
-    @field_validator("keep_alive", mode="before")
-    @classmethod
-    def _keep_alive(cls, v: object) -> object:
-        return "off" if v is False else v  # YAML reads a bare `off` as false
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", v):
-            raise ValueError("must be 1-63 lowercase letters, digits, '-' or '_' (it becomes a URL path)")
-        return v
-
-    @field_validator("api_keys")
-    @classmethod
-    def _keys(cls, v: list[str]) -> list[str]:
-        if any(len(k) < 8 for k in v):
-            raise ValueError("every API key must have at least 8 characters")
-        return v
+__all__ = [
+    "PRICE_FIELDS",
+    "AdviceConfig",
+    "CacheConfig",
+    "ConfigError",
+    "HttpConfig",
+    "KVTiersServeConfig",
+    "LimitsConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "MonitoringConfig",
+    "PricesConfig",
+    "RoutingConfig",
+    "ServeConfig",
+    "TenantConfig",
+    "TracingConfig",
+    "config_error_message",
+    "disk_tier_path",
+    "load_config",
+    "parse_duration",
+]
 
 
 class LoggingConfig(_Strict):

@@ -31,7 +31,7 @@ def engine(demo_path):
 def decode_step(engine: Engine, prompts: list[list[int]]):
     greedy = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for p in prompts:
-        engine.add_request(p, greedy)
+        engine.add_prompt(p, greedy)
     for _ in range(3):  # prefill, then a couple of decodes
         engine.step()
     batch = engine.scheduler.schedule()

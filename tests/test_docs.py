@@ -112,6 +112,52 @@ def test_config_reference_is_current() -> None:
     )
 
 
+ENV_GENERATOR = DOCS / "gen_env_reference.py"
+ENV_REFERENCE = DOCS / "reference" / "environment.md"
+ENV_VAR = re.compile(r"\bKVGRID_[A-Z_]+\b")
+
+
+def _env_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_env_reference", ENV_GENERATOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_env_reference_is_current() -> None:
+    """docs/reference/environment.md is what the generator renders from common/env.py now."""
+    want = _env_generator().render()
+    have = ENV_REFERENCE.read_text() if ENV_REFERENCE.exists() else ""
+    assert have == want, (
+        "docs/reference/environment.md is out of date with common/env.py: "
+        "run .venv/bin/python docs/gen_env_reference.py"
+    )
+
+
+def test_env_reference_lists_every_variable_in_the_code() -> None:
+    """Every ``KVGRID_*`` name in common/, worker/ and router/ (Python, shell, YAML) is on the page, and the Python
+    code outside common/env.py reads no ``KVGRID_*`` variable from ``os.environ`` itself."""
+    page = ENV_REFERENCE.read_text()
+    seen: dict[str, str] = {}
+    for folder in ("common", "worker", "router"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".sh", ".yaml", ".yml") or "__pycache__" in path.parts:
+                continue
+            text = path.read_text()
+            for name in ENV_VAR.findall(text):
+                seen.setdefault(name, str(path.relative_to(ROOT)))
+            if path.suffix == ".py" and path.name != "env.py":
+                reads = re.findall(r"environ(?:\.get\(|\[)\s*[\"']KVGRID_", text)
+                assert not reads, f"{path.relative_to(ROOT)} reads a KVGRID_ variable itself: use common/env.py"
+    seen.pop("KVGRID_LOGGERS", None)  # common/logs.py's tuple of logger names, not a variable
+    missing = {name: where for name, where in seen.items() if f"### `{name}`" not in page}
+    assert not missing, (
+        f"KVGRID_* variables missing from docs/reference/environment.md (add them to common/env.py): {missing}"
+    )
+
+
 def test_config_reference_covers_every_field() -> None:
     """Every field of every model reachable from ServeConfig has a description and its own entry on the page."""
     gen = _generator()

@@ -182,10 +182,10 @@ def test_bad_prompt_raises_and_engine_keeps_serving(model, prompt, params, match
     path, _, reference = model
     engine = engine_for(path)
     good = [11, 12, 13, 14, 15]
-    rid = engine.add_request(good, GREEDY)
+    rid = engine.add_prompt(good, GREEDY)
     engine.step()
     with pytest.raises(ValueError, match=match):
-        engine.add_request(prompt, params)
+        engine.add_prompt(prompt, params)
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
@@ -211,7 +211,7 @@ def test_bad_sampling_params_raise(kwargs, match):
 def test_request_that_can_never_fit_gets_a_clear_error(demo_path):
     engine = engine_for(demo_path, num_blocks=4)
     with pytest.raises(ValueError, match="KV cache"):
-        engine.add_request(list(range(60)), SamplingParams(max_tokens=20))
+        engine.add_prompt(list(range(60)), SamplingParams(max_tokens=20))
     assert not engine.has_unfinished()
 
 
@@ -236,7 +236,7 @@ def test_max_model_len_is_the_configured_limit_within_the_models_context(demo_pa
     assert max_model_len(mcfg, 100) == 100
     assert engine_for(demo_path, num_blocks=8, max_model_len=100).max_model_len == 100
     with pytest.raises(ValueError, match="context is 100"):
-        engine_for(demo_path, num_blocks=8, max_model_len=100).add_request(list(range(100)))
+        engine_for(demo_path, num_blocks=8, max_model_len=100).add_prompt(list(range(100)))
 
 
 @pytest.mark.parametrize("bad", [0, 3, 12, -16])

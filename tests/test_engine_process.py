@@ -14,6 +14,7 @@ import time
 import pytest
 
 from common.events import BlockStored, ListSink
+from common.protocol import Submit
 from common.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.engine_process import EngineProcess, EngineProcessDied
@@ -36,7 +37,7 @@ def child(config):
 
 def run(proc: EngineProcess, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     for rid, prompt in prompts.items():
-        proc.add_request(prompt, GREEDY, "default", rid, 0, 300.0, 1)
+        proc.add_request(Submit(prompt, GREEDY, "default", rid))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     done: set[str] = set()
     while proc.has_unfinished():
@@ -67,7 +68,7 @@ def test_the_child_computes_what_the_engine_computes_in_process(child, config):
 def test_calls_raise_the_engines_own_errors_and_the_child_goes_on(child):
     proc, _ = child
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        proc.add_request([10**9], GREEDY, "default", "bad", 0, 300.0, 1)
+        proc.add_request(Submit([10**9], GREEDY, "default", "bad"))
     assert not proc.has_unfinished()
     assert proc.abort("never-added") is False
     assert run(proc, {"ok": [1, 2, 3]})["ok"]
@@ -75,7 +76,9 @@ def test_calls_raise_the_engines_own_errors_and_the_child_goes_on(child):
 
 def test_an_abort_between_steps_ends_the_request(child):
     proc, _ = child
-    proc.add_request([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), "default", "r")
+    proc.add_request(
+        Submit([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), request_id="r")
+    )
     first = proc.step()
     assert first and not first[-1].finished
     assert proc.abort("r") is True
@@ -86,7 +89,9 @@ def test_an_abort_between_steps_ends_the_request(child):
 
 def test_a_killed_child_fails_the_next_step(config):
     proc = EngineProcess(config, ListSink())
-    proc.add_request([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), "default", "r")
+    proc.add_request(
+        Submit([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), request_id="r")
+    )
     os.kill(proc.pid, signal.SIGKILL)
     with pytest.raises(EngineProcessDied, match=f"pid {proc.pid}"):
         for _ in range(10_000):

@@ -183,7 +183,8 @@ def test_an_engine_process_with_tp2_streams_the_tokens_of_the_engine_on_the_acto
 
 
 def test_a_subscriber_that_dies_has_its_requests_aborted_on_the_group(ray_local, group):
-    from common.protocol import GroupClient, Submit
+    from common.protocol import Submit
+    from worker.group_client import GroupClient
 
     @ray_local.remote(num_cpus=0)
     class Client:
@@ -293,7 +294,8 @@ def test_a_blocking_stream_gives_up_on_a_leader_that_sends_nothing(ray_local):
     import threading
 
     from common.errors import GroupUnhealthyError
-    from common.protocol import GroupClient, Submit
+    from common.protocol import Submit
+    from worker.group_client import GroupClient
 
     @ray_local.remote(num_cpus=0)
     class SilentLeader:
@@ -348,7 +350,7 @@ def _dead(ray_local, actor) -> bool:
 
 def test_the_clients_unary_calls_time_out_and_a_dead_leader_is_a_group_failure(ray_local):
     from common.errors import GroupUnhealthyError
-    from common.protocol import GroupClient
+    from worker.group_client import GroupClient
 
     @ray_local.remote(num_cpus=0)
     class Leader:

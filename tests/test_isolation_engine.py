@@ -33,7 +33,7 @@ def engine(demo_path, request, **kw) -> Engine:
 
 
 def run(e: Engine, prompt: list[int], tenant: str, **kw):
-    rid = e.add_request(prompt, ONE, tenant, **kw)
+    rid = e.add_prompt(prompt, ONE, tenant, **kw)
     while True:
         for out in e.step():
             if out.request_id == rid and out.finished:
@@ -42,7 +42,7 @@ def run(e: Engine, prompt: list[int], tenant: str, **kw):
 
 def schedule_trace(e: Engine, requests: list[tuple[str, list[int]]]) -> list[tuple[str, int, int]]:
     """Queue ``requests`` at once, step to the end; (request, step of its first token, cached tokens) each."""
-    ids = [e.add_request(p, ONE, t, request_id=f"{t}-{i}") for i, (t, p) in enumerate(requests)]
+    ids = [e.add_prompt(p, ONE, t, request_id=f"{t}-{i}") for i, (t, p) in enumerate(requests)]
     first: dict[str, tuple[int, int]] = {}
     step = 0
     while e.has_unfinished():

@@ -16,7 +16,8 @@ from common.hashing import block_keys, tenant_root_key
 from common.sampling import SamplingParams
 from harness import wait_for
 from worker.engine import Engine, EngineConfig
-from worker.kv_tiers import MARKER, KVTiersConfig, TierStore, decode_header, encode_block, file_name, mac_key
+from worker.kv_tier_store import MARKER, TierStore, decode_header, encode_block, file_name, mac_key
+from worker.kv_tiers import KVTiersConfig
 
 SECRET = b"test-tiers-secret"
 BS = 16
@@ -290,7 +291,7 @@ def test_pins_live_in_host_ram_and_not_in_the_gpu_pool(demo_path, reference):
     block_bytes = 4 * 2 * BS * 2 * 64 * 4
     eng = make(demo_path, KVTiersConfig(host_bytes=20 * block_bytes))
     p = prompt(rng)
-    rid = eng.add_request(p, GREEDY, pin_tokens=6 * BS, pin_ttl_s=300)
+    rid = eng.add_prompt(p, GREEDY, pin_tokens=6 * BS, pin_ttl_s=300)
     while eng.has_unfinished():
         eng.step()
     assert rid not in eng._seqs
@@ -353,7 +354,7 @@ def test_write_down_runs_in_bounded_rounds(demo_path, reference, tmp_path):
 def test_fingerprint_covers_every_layer_and_the_layout(demo_path):
     import torch
 
-    from worker.kv_tiers import model_fingerprint
+    from worker.kv_tier_store import model_fingerprint
 
     r = make(demo_path).runner
 

@@ -22,7 +22,7 @@ def engine(demo_path, **kw) -> Engine:
 
 def run(e: Engine, prompt: list[int], params: SamplingParams, n: int) -> list:
     """Every choice's final output, by index, and check they all carry the request's id."""
-    rid = e.add_request(prompt, params, n=n)
+    rid = e.add_prompt(prompt, params, n=n)
     final = {}
     while e.has_unfinished():
         for out in e.step():
@@ -40,7 +40,7 @@ def test_n4_computes_the_prompt_once_and_shares_its_blocks(demo_path, prompt_len
     prompt = list(range(200, 200 + prompt_len))
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
     before = e.stats().computed_tokens
-    rid = e.add_request(prompt, params, n=4)
+    rid = e.add_prompt(prompt, params, n=4)
     outs = e.step()  # the prefill: the prompt once, then four first tokens
     assert [o.index for o in outs] == [0, 1, 2, 3] and all(o.request_id == rid for o in outs)
     assert e.stats().computed_tokens - before == prompt_len
@@ -105,7 +105,7 @@ def test_seeded_choices_are_reproducible_differ_and_match_transformers(demo_path
 
 def test_abort_stops_every_choice_and_frees_their_blocks(demo_path):
     e = engine(demo_path)
-    rid = e.add_request(list(range(50, 90)), SamplingParams(max_tokens=50, ignore_eos=True), n=5)
+    rid = e.add_prompt(list(range(50, 90)), SamplingParams(max_tokens=50, ignore_eos=True), n=5)
     e.step()
     e.step()
     assert e.stats().running == 5
@@ -113,7 +113,7 @@ def test_abort_stops_every_choice_and_frees_their_blocks(demo_path):
     assert not e.has_unfinished() and e.stats().blocks_used == 0
     assert not e.abort(rid)
     with pytest.raises(ValueError, match="n must be"):
-        e.add_request([1, 2], n=0)
+        e.add_prompt([1, 2], n=0)
 
 
 def test_openai_n_choices_over_one_prefill(shared_server):

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (worker/output_processor.py) against full decodes.
+"""Incremental detokenization and stop strings (worker/detokenizer.py, worker/output_processor.py) against full decodes.
 
 Token sequences are random draws from the demo tokenizer's vocabulary weighted towards single-byte tokens (which
 split UTF-8 characters, or are invalid on their own), tokens of multi-byte text and special tokens, so windows
@@ -16,7 +16,8 @@ import pytest
 from common.model_config import load_tokenizer
 from common.outputs import FinishReason
 from common.sampling import SamplingParams
-from worker.output_processor import IncrementalDetokenizer, OutputProcessor
+from worker.detokenizer import IncrementalDetokenizer
+from worker.output_processor import OutputProcessor
 from worker.sampler import SampleResult
 from worker.sequence import Sequence, SequenceStatus
 

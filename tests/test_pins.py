@@ -22,7 +22,7 @@ def make_engine(demo_path):
 
 
 def run(engine: Engine, prompt: list[int], tenant: str = "acme", **pin):
-    rid = engine.add_request(prompt, ONE, tenant, **pin)
+    rid = engine.add_prompt(prompt, ONE, tenant, **pin)
     while True:
         for out in engine.step():
             if out.request_id == rid and out.finished:
@@ -77,9 +77,9 @@ def test_per_tenant_pin_limit_caps_one_tenant_not_the_other(make_engine):
 def test_bad_pin_arguments_raise(make_engine):
     engine = make_engine()
     with pytest.raises(ValueError, match="pin"):
-        engine.add_request([1, 2, 3], ONE, pin_tokens=10)
+        engine.add_prompt([1, 2, 3], ONE, pin_tokens=10)
     with pytest.raises(ValueError, match="pin"):
-        engine.add_request([1, 2, 3], ONE, pin_tokens=2, pin_ttl_s=0)
+        engine.add_prompt([1, 2, 3], ONE, pin_tokens=2, pin_ttl_s=0)
 
 
 def test_pins_never_take_more_than_their_share_of_the_cache(make_engine):

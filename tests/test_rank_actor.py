@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from common.errors import GroupUnhealthyError
 from common.outputs import RequestOutput
 from common.protocol import Submit
-from worker.group import GroupUnhealthyError, RankActor
+from worker.rank_actor import RankActor
 
 
 def output(rid: str, tokens: list[int], new: list[int], finished: bool) -> RequestOutput:
@@ -36,8 +37,10 @@ class ScriptedEngine:
         self.requests: list[str] = []
         self.aborted: list[str] = []
 
-    def add_request(self, prompt, params, tenant, rid, pin_tokens, pin_ttl_s, n=1) -> None:
-        self.requests.append(rid)
+    def add_request(self, req: Submit) -> str:
+        assert req.request_id is not None
+        self.requests.append(req.request_id)
+        return req.request_id
 
     def abort(self, rid: str) -> bool:
         self.aborted.append(rid)

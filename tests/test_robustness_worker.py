@@ -302,7 +302,7 @@ def timed(group, prompt) -> float:
 
 
 def test_a_request_failing_in_the_step_raises_request_failed_and_the_group_keeps_serving(group1):
-    from worker.group import RequestFailed
+    from common.errors import RequestFailed
 
     good = group1.stream(list(range(200, 230)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     first = next(good)

@@ -100,7 +100,7 @@ def test_streamed_text_never_shows_a_stop_string(engine):
 
 
 def test_abort_releases_the_request(engine):
-    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=50, temperature=0.0))
+    rid = engine.add_prompt(PROMPT, SamplingParams(max_tokens=50, temperature=0.0))
     engine.step()
     assert engine.stats().blocks_used > 0
     assert engine.abort(rid) and not engine.abort(rid)

@@ -33,7 +33,7 @@ def _threads_per_step(engine: Engine, prompts: list[list[int]], max_tokens: int)
 
     engine.runner._forward = recording
     for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        engine.add_prompt(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
     return seen

@@ -31,7 +31,7 @@ def _decode_rate(
     vocab = engine.model_config.vocab_size
     params = params or SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+        engine.add_prompt([rng.randrange(vocab) for _ in range(prompt_len)], params)
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         engine.step()
     tokens, elapsed = 0, 0.0
@@ -56,7 +56,7 @@ def _closed_loop(
 
     def send() -> None:
         nonlocal sent
-        engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+        engine.add_prompt([rng.randrange(vocab) for _ in range(prompt_len)], params)
         sent += 1
 
     before = engine.stats()

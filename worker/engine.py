@@ -3,8 +3,8 @@
     engine = Engine(EngineConfig(model="demo"))
     outs = engine.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0.0), tenant="acme")
 
-``add_request`` / ``step`` / ``abort`` are the incremental interface the Ray actor drives; every ``step``
-returns one ``RequestOutput`` per request that advanced, with the step's new tokens and text.
+``add_request`` (of a ``Submit``) / ``step`` / ``abort`` are the incremental interface the Ray actor drives; every
+``step`` returns one ``RequestOutput`` per request that advanced, with the step's new tokens and text.
 """
 
 from __future__ import annotations
@@ -12,23 +12,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from common import env
 from common.checks import is_power_of_two
+from common.defaults import DEFAULT_PIN_TTL_S
 from common.events import EventSink, HeldKeys
 from common.hashing import HASH_ALGOS, RootKeys, new_secret
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import FinishReason, RequestOutput
+from common.protocol import Submit
 from common.sampling import SamplingParams
+from common.stats import EngineStats, PrefixCacheStats, TierStats
 from worker.attention import TorchBackend, get_backend
 from worker.distributed import send_plan, tp_size
-from worker.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from worker.kv_tiers import KVTiersConfig, TierIndex, TierStats
+from worker.kv_cache_manager import KVCacheManager
+from worker.kv_tier_index import TierIndex
+from worker.kv_tiers import KVTiersConfig
 from worker.layers.linear import force_float32_path, pack_linear_weights, pick_float32_path
 from worker.model_runner import ModelRunner
 from worker.models.registry import resolve_model
@@ -101,32 +105,6 @@ class EngineConfig:
             self.kv_tiers = KVTiersConfig(**self.kv_tiers)
 
 
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    blocks_pinned: int
-    num_preemptions: int
-    computed_tokens: int
-    prefix_cache: dict[str, PrefixCacheStats]
-    # The lower KV tiers ("host", "disk"; empty without tiers), and the figures the admin metrics read.
-    kv_tiers: dict[str, TierStats] = field(default_factory=dict)
-    host_blocks: int = 0
-    disk_blocks: int = 0
-    host_hit_blocks: int = 0
-    disk_hit_blocks: int = 0
-    tier_load_bytes: int = 0
-    tier_load_seconds: float = 0.0
-    # Steps that computed a batch since the engine started, their wall time and their thread's CPU time.
-    steps: int = 0
-    step_seconds: float = 0.0
-    step_cpu_seconds: float = 0.0
-
-
 def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -137,7 +115,7 @@ def _pick_dtype(name: str, mcfg: ModelConfig, device: torch.device) -> torch.dty
 
 def engine_secret(config: EngineConfig) -> bytes | str:
     """The secret that salts the tenants' root keys (and keys the KV tier files' MACs)."""
-    return config.secret or os.environ.get("KVGRID_SECRET") or new_secret()
+    return config.secret or env.secret() or new_secret()
 
 
 def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> ModelRunner:
@@ -208,17 +186,9 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_token_ids: Seq[int],
-        params: SamplingParams | None = None,
-        tenant: str = "default",
-        request_id: str | None = None,
-        pin_tokens: int = 0,
-        pin_ttl_s: float = 300.0,
-        n: int = 1,
-    ) -> str:
-        """Queue a request; raises ``ValueError`` (and changes nothing) if it is malformed or can never fit.
+    def add_request(self, req: Submit) -> str:
+        """Queue a request (a ``Submit``, what a group's leader receives); returns its id (``req.request_id``, else
+        a fresh ``req-N``). Raises ``ValueError`` (and changes nothing) if it is malformed or can never fit.
 
         ``n``: that many choices of one prompt, computed once: see ``_fork_choices``. Their outputs all carry
         the request's id, each with its ``index``.
@@ -226,9 +196,9 @@ class Engine:
         ``pin_tokens``: keep the full blocks of the first ``pin_tokens`` prompt tokens cached for ``pin_ttl_s``
         seconds after this request computes or hits them (an explicit cache entry; a hit refreshes it), within
         the tenant's ``max_pinned_tokens_per_tenant`` and ``max_pinned_fraction`` of the cache overall."""
-        params = params if params is not None else SamplingParams()
-        prompt = self.validate(prompt_token_ids, params, pin_tokens, pin_ttl_s)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        params, tenant, n, pin_tokens, pin_ttl_s = req.params, req.tenant, req.n, req.pin_tokens, req.pin_ttl_s
+        prompt = self.validate(req.prompt, params, pin_tokens, pin_ttl_s)
+        request_id = req.request_id if req.request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
@@ -242,8 +212,28 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def add_prompt(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        tenant: str = "default",
+        request_id: str | None = None,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = DEFAULT_PIN_TTL_S,
+        n: int = 1,
+    ) -> str:
+        """``add_request`` of a ``Submit`` made of these (what tests and benchmarks that drive the engine
+        directly call)."""
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else self._check_prompt(prompt_token_ids)
+        params = params if params is not None else SamplingParams()
+        return self.add_request(Submit(prompt, params, tenant, request_id, pin_tokens, pin_ttl_s, n))
+
     def validate(
-        self, prompt_token_ids: Seq[int], params: SamplingParams, pin_tokens: int = 0, pin_ttl_s: float = 300.0
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        pin_tokens: int = 0,
+        pin_ttl_s: float = DEFAULT_PIN_TTL_S,
     ) -> list[int]:
         """Check a request without queuing it; returns the prompt as a list or raises ``ValueError``."""
         if not isinstance(params, SamplingParams):
@@ -478,7 +468,7 @@ class Engine:
             raise ValueError("give one SamplingParams, or one per prompt")
         for p, sp in zip(prompts, params):
             self.validate(p, sp)
-        ids = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, params)]
+        ids = [self.add_prompt(p, sp, tenant) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
@@ -490,7 +480,7 @@ class Engine:
         self, prompt: Seq[int], params: SamplingParams | None = None, tenant: str = "default"
     ) -> Iterator[RequestOutput]:
         """Run one request, yielding its output after every step that advanced it (other requests advance too)."""
-        rid = self.add_request(prompt, params, tenant)
+        rid = self.add_prompt(prompt, params, tenant)
         while True:
             for out in self.step():
                 if out.request_id == rid:

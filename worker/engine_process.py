@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from common.events import EventSink, KVEvent, ListSink
-from common.protocol import Delta
+from common.protocol import Delta, Submit
 
 _log = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ class EngineProcess:
             raise self._failure
         return []
 
-    def add_request(self, *args: Any) -> Any:
-        return self._call("add_request", *args)
+    def add_request(self, req: Submit) -> str:
+        return self._call("add_request", req)
 
     def abort(self, request_id: str) -> bool:
         return self._call("abort", request_id)

@@ -7,22 +7,14 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from common.events import EventSink, HeldKeys, Tier
 from common.hashing import block_keys
+from common.stats import PrefixCacheStats, TierStats
 from worker.block_pool import Block, BlockPool, PoolUsage
-from worker.kv_tiers import TierIndex, TierOps, TierStats
+from worker.kv_tier_index import TierIndex
+from worker.kv_tiers import TierOps
 from worker.sequence import Sequence
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups of one tenant, in prompt tokens (counted once per request, on first admission)."""
-
-    requests: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
 
 
 class KVCacheManager:

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from common.model_config import ModelConfig
 from worker.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from worker.distributed import all_reduce_min, recv_plan, send_plan, tp_rank, tp_size
-from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps, TierStore, model_fingerprint
+from worker.kv_tier_store import TierStore, model_fingerprint
+from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledSeq
 

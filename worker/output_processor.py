@@ -1,33 +1,22 @@
-"""What the engine does with each sampled token: append it, detokenize incrementally, check the stop conditions,
-and build the request's ``RequestOutput``.
+"""What the engine does with each sampled token: append it, detokenize incrementally (``worker/detokenizer.py``),
+check the stop conditions, and build the request's ``RequestOutput``.
 
-Detokenizing is incremental: a step decodes only the tokens since the last point where the text was known to be
-final (a few tokens), never the whole output again. Stop strings are searched only in the new text plus the
-last ``max stop length - 1`` characters before it, which is all a match ending in the new text can span.
+Stop strings are searched only in the new text plus the last ``max stop length - 1`` characters before it, which
+is all a match ending in the new text can span.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from common.outputs import FinishReason, RequestOutput, Timings
+from worker.detokenizer import decoder, stable_len
+from worker.sequence import Sequence
 
-if TYPE_CHECKING:  # a Sequence holds its IncrementalDetokenizer: import it for annotations only
+if TYPE_CHECKING:
     from worker.sampler import SampleResult
-    from worker.sequence import Sequence
-
-_REPLACEMENT = "\ufffd"  # what decoding makes of an incomplete UTF-8 sequence
-
-
-def stable_len(text: str) -> int:
-    """Length of ``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD), which the next
-    token may still complete into something else."""
-    n = len(text)
-    while n and text[n - 1] == _REPLACEMENT:
-        n -= 1
-    return n
 
 
 def partial_stop(text: str, end: int, stop: str) -> int:
@@ -39,48 +28,6 @@ def partial_stop(text: str, end: int, stop: str) -> int:
             return end - i
         i = text.find(stop[0], i + 1, end)
     return 0
-
-
-class IncrementalDetokenizer:
-    """One request's output text, decoded a window at a time, equal to decoding all its tokens at once.
-
-    ``committed`` is the text of ``ids[:read_offset]``. A step decodes the window ``ids[prefix_offset:]``, where
-    ``ids[prefix_offset:read_offset]`` are the tokens committed last time: decoding them again gives decoders
-    that treat a window's first token specially (a stripped leading space) the same context a full decode has,
-    and the new text is what the window adds beyond their text. The window is committed only when its text does
-    not end in U+FFFD: the bytes so far then end on a character boundary, so no later token can change them.
-    """
-
-    __slots__ = ("committed", "prefix_offset", "read_offset", "_prefix_len")
-
-    def __init__(self) -> None:
-        self.committed = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self._prefix_len: int | None = 0  # len(decode(ids[prefix_offset:read_offset])); None: not decoded yet
-
-    def update(self, ids: list[int], decode: Callable[[list[int]], str], start: int = 0) -> str:
-        """The whole text of ``ids[start:]`` (every output token so far; earlier calls saw a prefix of them).
-        ``start`` lets a caller pass a sequence's prompt and output tokens as they are: slicing off the prompt
-        would copy the whole output every step, where only the window is needed."""
-        window = decode(ids[start + self.prefix_offset :])
-        if self._prefix_len is None:
-            self._prefix_len = len(decode(ids[start + self.prefix_offset : start + self.read_offset]))
-        new = window[self._prefix_len :]
-        if new and not window.endswith(_REPLACEMENT):
-            self.committed += new
-            self.prefix_offset, self.read_offset, self._prefix_len = self.read_offset, len(ids) - start, None
-            return self.committed
-        return self.committed + new  # not final yet: shown in ``text``, decoded again next step
-
-
-def _decoder(tokenizer) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, through the Rust tokenizer directly when that is all
-    the Python wrapper would do (it adds a few microseconds of argument conversion per call)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def timings(seq: Sequence) -> Timings:
@@ -97,7 +44,7 @@ class OutputProcessor:
     """One per engine: turns each sampled token into the request's new state and its ``RequestOutput``."""
 
     def __init__(self, tokenizer, eos_token_ids: Collection[int], max_model_len: int, block_size: int) -> None:
-        self.decode = _decoder(tokenizer)
+        self.decode = decoder(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.block_size = block_size

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.outputs import FinishReason
 from common.sampling import SamplingParams
-from worker.block_pool import Block
-from worker.output_processor import IncrementalDetokenizer
+from worker.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from worker.block_pool import Block
 
 
 class SequenceStatus(enum.Enum):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from common.env import REDIS_PASSWORD
 from common.logs import configure_logging
 
 log = logging.getLogger("kvgrid.node")
@@ -52,12 +53,12 @@ def redis_password(state: Path) -> str:
     env = state / "redis.env"
     if env.exists() and env.stat().st_size:
         for line in env.read_text().splitlines():
-            if line.startswith("export KVGRID_REDIS_PASSWORD="):
+            if line.startswith(f"export {REDIS_PASSWORD.name}="):
                 return line.split("=", 1)[1].strip()
     password = secrets.token_hex(32)
     fd = os.open(env, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"export KVGRID_REDIS_PASSWORD={password}\n")
+        f.write(f"export {REDIS_PASSWORD.name}={password}\n")
     return password
 
 
@@ -149,7 +150,7 @@ class HeadKeeper:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
     def start_serve(self, password: str) -> subprocess.Popen:
-        env = dict(os.environ, KVGRID_REDIS_PASSWORD=password)  # never on the command line (`ps` shows it)
+        env = {**os.environ, REDIS_PASSWORD.name: password}  # never on the command line (`ps` shows it)
         log.info("starting kvgrid serve (its log: ~/kvgrid-serve.log)")
         with open(Path.home() / "kvgrid-serve.log", "ab") as out:
             return subprocess.Popen(

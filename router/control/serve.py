@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sys
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common import env
 from common.config import ServeConfig, load_config
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def _start_redis(url: str | None):
     from router.gateway.store import with_password
 
     if url:
-        url = with_password(url, os.environ.get("KVGRID_REDIS_PASSWORD"))
+        url = with_password(url, env.redis_password())
         try:
             client = redis.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=10)
         except ValueError as exc:  # not a URL Redis takes
@@ -212,7 +212,7 @@ def run(
         model = resolve(cfg.model)
         model_path = str(model.path)
         _phase(f"model: {cfg.model} -> {model_path}" + (f" ({model.made} on first use)" if model.made else ""))
-        secret = os.environ.get("KVGRID_SECRET") or new_secret().hex()
+        secret = env.secret() or new_secret().hex()
         _start_ray(cfg, address)
         import ray
 

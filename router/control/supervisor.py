@@ -30,10 +30,11 @@ from ray.util.placement_group import placement_group_table
 from common.errors import GroupUnhealthyError
 from common.event_stream import stream_client
 from common.log_relay import relay_logging
-from common.protocol import GroupClient, RankHandle, RouterHandle, Submit
+from common.protocol import RankHandle, RouterHandle, Submit
 from common.sampling import SamplingParams
 from router.routing.service import restarted
 from worker.group import GroupConfig, WorkerGroup, pg_name
+from worker.group_client import GroupClient
 
 
 class GroupState(enum.StrEnum):

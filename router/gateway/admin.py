@@ -30,11 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from common.errors import remote_cause
-from common.protocol import GroupClient, RouterHandle, SupervisorHandle
+from common.protocol import RouterHandle, SupervisorHandle
 from router.gateway.health import Health
 from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
 from router.gateway.store import KeyRing, presented_key
+from worker.group_client import GroupClient
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups
 DESCRIBE_TIMEOUT_S = 120.0  # the supervisor asks every group in turn (each bounded by its own timeouts)

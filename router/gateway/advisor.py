@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import PricesConfig
+from common.defaults import FIVE_MINUTES_S
 from router.gateway.chat import encode_chat
 from router.gateway.economics import Prices, dollars
 
@@ -33,7 +34,7 @@ MAX_SPAN_CHARS = 64  # a varying span is at most this long (in each prompt)
 ANCHOR_CHARS = 24  # the two prompts agree again when this many characters match
 MAX_SPAN_TOKENS, ANCHOR_TOKENS = 24, 8  # the same for prompts known only as token ids
 MIN_STABLE_BLOCKS = 2  # a stable span worth moving for is at least this many blocks long
-BREAKPOINT_WINDOW_S = 300.0  # a 5-minute entry: reuse within this long reads it
+BREAKPOINT_WINDOW_S = FIVE_MINUTES_S  # a 5-minute entry: reuse within this long reads it
 BREAKPOINT_LOOKBACK = 64  # ... from one of the this many prompts before
 _WORD = re.compile(r"[0-9A-Za-z]")
 _JOIN = set("-:._+/")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from fastapi import Request
 
+from common.defaults import FIVE_MINUTES_S  # a write for longer counts as a one-hour one in usage.cache_creation
 from common.outputs import RequestOutput
 from router.gateway.chat import ChatPrompt, special_texts
 from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
@@ -49,7 +50,6 @@ from router.gateway.tools import Call, CallStream, Tooling, anthropic_tooling, p
 API = "anthropic"
 MAX_BREAKPOINTS = 4
 MAX_PIN_TTL_S = 3600.0  # cache_control TTLs: Anthropic's longest
-FIVE_MINUTES_S = 300.0  # a write for longer counts as a one-hour one in usage.cache_creation
 
 routes = Routes()  # bound to one AnthropicApi by create_app
 

@@ -33,7 +33,7 @@ from common.config import MonitoringConfig, ServeConfig, TenantConfig
 from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput, Timings, merge_choices
-from common.protocol import GroupClient, RouterHandle, Submit
+from common.protocol import RouterHandle, Submit
 from common.sampling import SamplingParams, StructuredOutput
 from router.gateway.access import current as current_access
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
@@ -78,6 +78,7 @@ from router.gateway.store import (
 )
 from router.gateway.tracing import Tracing, current_trace, traced
 from router.routing.router import RouteDecision
+from worker.group_client import GroupClient
 
 log = logging.getLogger(__name__)
 
@@ -725,7 +726,8 @@ class Gateway:
         self._request_rates = {t.name: RateLimiter(self.redis, t.limits.requests_per_s, None) for t in config.tenants}
         self._background: set[asyncio.Task] = set()
         self._clients: dict[str, GroupClient] = {}  # group -> the client of its leader (this replica's subscription)
-        self.keep_alive = KeepAlive(self)  # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
+        # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
+        self.keep_alive = KeepAlive(self.redis, self.tenants, self.spawn, self.ledger, self.repin)
         self.keep_alive.start()
         # Each tenant's metrics published to Redis every second and merged over the replicas at a scrape
         # (router/gateway/replica_metrics.py); created after KeepAlive, whose counters are in the same registries.
@@ -1243,6 +1245,12 @@ class Gateway:
         if alert is not None:
             log.warning("%s", alert.message())
             self.spawn(self.alerts.push(alert.public()))
+
+    async def repin(self, t: Tenant, tokens: list[int], ttl_s: float) -> None:
+        """Pin ``tokens`` on a group for ``ttl_s`` more by the request a hit on them sends (one output token, not
+        billed): the keep-alive service's re-pin of an entry it kept."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        await last(self.generate(t, tokens, params, "anthropic", len(tokens), ttl_s, no_account))
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run a best-effort Redis write in the background (its failure is logged, never the request's)."""

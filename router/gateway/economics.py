@@ -20,13 +20,15 @@ the difference (negative when writes were never read back)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from common.config import PRICE_FIELDS, PricesConfig
+from common.defaults import FIVE_MINUTES_S
 
 PICO = 10**12  # pico-dollars in a dollar
-SHORT_TTL_S = 300.0  # an entry living at most this long is written at the 5-minute price
+SHORT_TTL_S = FIVE_MINUTES_S  # an entry living at most this long is written at the 5-minute price
 
 # Public list prices, dollars per million tokens (storage: per million token-hours), as the vendors' pricing pages
 # gave them when these presets were written (2026); figures only. A write where the vendor has no write fee is the
@@ -217,3 +219,122 @@ def summary(tenant: str, prices: Prices, totals: dict[str, int]) -> dict[str, An
         "cost_picodollars": cost,
         "cost_without_cache_picodollars": uncached,
     }
+
+
+# -- keeping an explicit entry alive past its TTL: the rule (router/gateway/keep_alive.py applies it) -------------
+#
+# Keeping an entry of ``T`` tokens costs its storage (``storage`` per token-hour) for the time kept; for prices
+# without storage (Anthropic bills none: an entry is held by refreshing it) holding it costs what the vendor charges
+# to hold it, one refresh (a read of its ``T`` tokens at ``cache_read``) per TTL, pro rata (``hold_cost``).
+# Rebuilding it costs the write price over the read price of its tokens (``rebuild_cost``) plus the storage a new
+# write is billed for its TTL (``rebuild_premium``). ``decide`` is a pure function, the same in the gateway and in
+# ``kvgrid bench keep-alive``'s replay.
+
+HISTORY = 8  # the gaps between an entry's last uses that its reuse keeps
+MARGIN = 2.0  # an entry is expected back within this many times its longest recent gap
+
+
+def hold_cost(prices: Prices, tokens: int, seconds: float, ttl_s: float) -> int:
+    """What holding an entry of ``tokens`` for ``seconds`` past its TTL costs (pico-dollars): storage at the
+    tenant's ``storage`` price, or, for prices without storage, one refresh (a read of its tokens) per TTL, pro
+    rata."""
+    if prices.storage:
+        return keep_cost(prices, tokens, seconds)
+    return round(tokens * prices.cache_read * seconds / ttl_s)
+
+
+def hold_rate(prices: Prices, tokens: int, ttl_s: float) -> float:
+    """``hold_cost`` per second (pico-dollars)."""
+    if prices.storage:
+        return prices.storage * tokens / 3600.0
+    return tokens * prices.cache_read / ttl_s
+
+
+def rebuild_premium(prices: Prices, tokens: int, ttl_s: float) -> int:
+    """What an expired entry's next use costs over a read of it (pico-dollars): writing it again instead of
+    reading (``rebuild_cost``) and the storage a new write is billed for its TTL."""
+    return rebuild_cost(prices, tokens, ttl_s) + keep_cost(prices, tokens, ttl_s)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """An entry's observed reuse: its last use (seconds since the epoch), the gaps between its most recent uses
+    (seconds, oldest first, at most ``HISTORY``), and how many uses and hits (uses that found it alive) it had."""
+
+    last: float
+    gaps: tuple[float, ...] = ()
+    uses: int = 1
+    hits: int = 0
+
+    def used(self, now: float, hit: bool, history: int = HISTORY) -> Reuse:
+        """This reuse after one more use at ``now``."""
+        gaps = (*self.gaps, now - self.last)[-history:] if now > self.last else self.gaps
+        return Reuse(max(self.last, now), gaps, self.uses + 1, self.hits + int(hit))
+
+
+@dataclass(frozen=True)
+class Decision:
+    keep: bool
+    until: float  # the entry's new expiry when kept, else its expiry
+    reason: str
+
+
+def keep_budget(prices: Prices, tokens: int, ttl_s: float) -> float:
+    """``B``: the seconds past its TTL that one rebuild of an entry pays for holding it (0: rebuilding costs no
+    more than reading)."""
+    premium = rebuild_premium(prices, tokens, ttl_s)
+    if premium <= 0:
+        return 0.0
+    rate = hold_rate(prices, tokens, ttl_s)
+    return math.inf if rate <= 0 else premium / rate
+
+
+def never_keeps(prices: Prices) -> str | None:
+    """Why ``decide`` keeps no entry at all at these prices, whatever its tokens, TTL and reuse (None: it may
+    keep some). Step 1 of ``decide`` does not depend on the tokens or the TTL within a write price, so one TTL of
+    each write price (5 minutes, 1 hour) tells."""
+    if not prices.priced:
+        return "the tenant has no prices"
+    budgets = [keep_budget(prices, 1_000_000, ttl) for ttl in (SHORT_TTL_S, 3600.0)]
+    if any(b > ttl for b, ttl in zip(budgets, (SHORT_TTL_S, 3600.0))):
+        return None
+    if all(b <= 0 for b in budgets):
+        return "a cache write costs no more than a cache read"
+    return "holding an entry one more TTL costs as much as rebuilding it"
+
+
+def decide(prices: Prices, tokens: int, ttl_s: float, reuse: Reuse, expires: float, margin: float = MARGIN) -> Decision:
+    """Whether to keep an entry of ``tokens`` (TTL ``ttl_s``, reused as ``reuse``) alive past ``expires``, and
+    until when. A ski-rental rule with the entry's own reuse as the prediction:
+
+    1. ``W`` = ``rebuild_premium`` (what letting it expire costs at its next use), ``r`` = ``hold_rate`` (what
+       holding it costs per second), ``B = W / r`` (the seconds past its TTL that one rebuild pays for). If
+       ``W`` <= 0, drop: rebuilding costs nothing more than reading. If ``B`` <= ``ttl_s``, drop: holding it one
+       more TTL costs a rebuild already (OpenAI-like prices: no write fee, a refresh at half the input price).
+    2. No gap seen yet (one use): drop. An entry is kept only once its reuse shows that it comes back.
+    3. ``g`` = the longest of its recent gaps: its next use is expected within ``g`` of its last one. If holding
+       it from its TTL to then costs a rebuild or more (``g - ttl_s >= B``), drop.
+    4. It is held at most until ``deadline = last use + min(margin * g, ttl_s + B)``: past its expected reuse
+       (with a margin) it is taken for dead, and it is never held longer past its TTL than one rebuild pays for
+       (the ski-rental bound: a wrong prediction costs at most one rebuild more than knowing the future would).
+       If ``expires`` >= deadline, drop; else keep until ``min(expires + ttl_s, deadline)``.
+
+    So a hot entry (reused every few minutes) is kept between its uses; a cold one (used once, or again after
+    hours) and a bursty one (uses seconds apart, bursts hours apart) are dropped; an entry whose reuse stops is
+    dropped at its deadline, and one whose gaps grow past what pays is dropped once such a gap is among its
+    recent ones (and kept again once it is not). The decision depends on the entry's stored state only (not on
+    the clock), so every gateway replica makes the same one."""
+    budget = keep_budget(prices, tokens, ttl_s)  # seconds past its TTL that one rebuild pays for
+    if budget <= 0:
+        return Decision(False, expires, "rebuilding costs no more than reading")
+    if budget <= ttl_s:
+        return Decision(False, expires, "holding it one more TTL costs a rebuild")
+    if not reuse.gaps:
+        return Decision(False, expires, "no reuse seen yet")
+    gap = max(reuse.gaps)
+    if gap - ttl_s >= budget:
+        return Decision(False, expires, "its reuse comes too late for keeping to pay")
+    deadline = reuse.last + min(margin * gap, ttl_s + budget)
+    if expires >= deadline:
+        return Decision(False, expires, "past its expected reuse")
+    return Decision(True, min(expires + ttl_s, deadline), "rebuilding would cost more than keeping")

@@ -30,6 +30,7 @@ from datetime import datetime
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from common.defaults import DEFAULT_PIN_TTL_S
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from router.gateway.cached_contents import MAX_CACHED_CONTENT_TTL_S, create_content, renew_content
@@ -56,7 +57,6 @@ from router.gateway.store import CachedContent, rfc3339
 
 API = "gemini"
 DEFAULT_MAX_OUTPUT_TOKENS = 256
-DEFAULT_PIN_TTL_S = 300.0
 MAX_PAGE_SIZE = 1000
 _FINISH = {FinishReason.STOP: "STOP", FinishReason.LENGTH: "MAX_TOKENS"}
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from common.protocol import GroupClient, RouterHandle
+from common.protocol import RouterHandle
+from worker.group_client import GroupClient
 
 READY_WINDOW_S = 5.0  # a group that answered this recently counts
 PROBE_TIMEOUT_S = 1.0  # each question of a probe: Redis's ping, a router replica's groups, a group's health

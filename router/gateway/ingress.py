@@ -1,4 +1,4 @@
-"""Connection hygiene at a gateway replica's HTTP server (issue 33): what a socket may cost before it is a request.
+"""Connection hygiene at a gateway replica's HTTP server: what a socket may cost before it is a request.
 
 uvicorn counts open *connections* toward ``limit_concurrency`` and answers 503 past it, so about a thousand TCP
 connections that send nothing (no key needed) turned every tenant's requests away for as long as they stayed open.
@@ -34,7 +34,7 @@ import os
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -68,27 +68,23 @@ _TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close
 _NEW, _IDLE, _HEAD, _BODY, _BUSY = range(5)
 
 
+_HTTP_DEFAULTS = HttpConfig()  # the policy's defaults are the config's: defined once, in HttpConfig
+
+
 @dataclass(frozen=True)
 class ConnectionPolicy:
     """The connection limits of one HTTP server (``HttpConfig``'s; see there and docs/operations.md)."""
 
-    idle_timeout_s: float = 10.0
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 20.0
-    body_min_rate: int = 500
-    max_connections_per_client: int = 256  # 0: no cap
-    max_connections: int = 0  # 0: from the file-descriptor limit
+    idle_timeout_s: float = _HTTP_DEFAULTS.idle_timeout_s
+    header_timeout_s: float = _HTTP_DEFAULTS.header_timeout_s
+    body_timeout_s: float = _HTTP_DEFAULTS.body_timeout_s
+    body_min_rate: int = _HTTP_DEFAULTS.body_min_rate
+    max_connections_per_client: int = _HTTP_DEFAULTS.max_connections_per_client  # 0: no cap
+    max_connections: int = _HTTP_DEFAULTS.max_connections  # 0: from the file-descriptor limit
 
     @classmethod
     def from_config(cls, http: HttpConfig) -> ConnectionPolicy:
-        return cls(
-            idle_timeout_s=http.idle_timeout_s,
-            header_timeout_s=http.header_timeout_s,
-            body_timeout_s=http.body_timeout_s,
-            body_min_rate=http.body_min_rate,
-            max_connections_per_client=http.max_connections_per_client,
-            max_connections=http.max_connections,
-        )
+        return cls(**{f.name: getattr(http, f.name) for f in fields(cls)})
 
 
 def raise_fd_limit() -> int:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from common.defaults import DEFAULT_PIN_TTL_S
 from common.outputs import RequestOutput, merge_choices
 from router.gateway.chat import special_texts
 from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, primed, watched
@@ -48,7 +49,6 @@ from router.gateway.tools import CallStream, Tooling, openai_messages, openai_to
 
 API = "openai"
 DEFAULT_CHAT_MAX_TOKENS = 256
-DEFAULT_PIN_TTL_S = 300.0  # how long the part of a prompt that is a cached content stays pinned, at least
 PROMPT_CACHE_24H_S = 24 * 3600.0  # prompt_cache_retention "24h"
 INLINE_CELLS = 4096  # an answer of fewer tokens and alternatives is built on the event loop (a thread hop costs more)
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf (or NaN) is reported as: JSON has no infinity

@@ -12,7 +12,7 @@ go to the replicas left, and to the replacement once it has bound the port.
 
 What a connection may cost before it is a request (idle, header and body deadlines, per-client and per-server
 connection caps) is router/gateway/ingress.py's: uvicorn's own ``limit_concurrency`` counted idle sockets, so a
-thousand of them turned every tenant away (issue 33)."""
+thousand of them turned every tenant away."""
 
 from __future__ import annotations
 

@@ -141,4 +141,5 @@ def mount_admin(admin: FastAPI, api: UsageApi) -> None:
     owner = getattr(admin.state, "admin", None)
     if owner is not None:
         owner.extra_metrics.append(api.admin_metrics)
-        owner.extra_metrics.append(keep_alive.AdminSeries(api.gw))  # every tenant's keep-alive decisions
+        # every tenant's keep-alive decisions
+        owner.extra_metrics.append(keep_alive.AdminSeries(api.gw.tenants, api.gw.keep_alive.store))

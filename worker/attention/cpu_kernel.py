@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from common import env
+
 log = logging.getLogger("kvgrid.worker")
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).parents[1] / "layers" / "cpu_norm.c")
@@ -38,10 +40,7 @@ _tried = False
 
 
 def choice() -> str:
-    value = os.environ.get("KVGRID_CPU_ATTENTION", "auto")
-    if value not in CHOICES:
-        raise ValueError(f"KVGRID_CPU_ATTENTION must be auto, native or torch, not {value!r}")
-    return value
+    return env.cpu_attention()
 
 
 def _cpu_flags() -> str:
@@ -60,10 +59,7 @@ def find_compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVGRID_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgrid" / "kernels"
+    return env.kernel_cache()
 
 
 def _build(compiler: str) -> Path:

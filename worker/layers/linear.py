@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import env
 from worker.distributed import all_reduce, shard_range, tp_rank, tp_size
 
 # oneDNN's fp32 matmul beat the default (MKL) path on the skinny matmuls of a small batch on an AVX512 CPU (demo
@@ -80,9 +80,7 @@ def pick_float32_path(model: nn.Module, rows: tuple[int, ...] = (1, 8, 32), reps
     the packed weights beat ``F.linear`` by 20-50% at 8-32 rows (the same at 1 and at 128+). Ties go to
     ``F.linear``. ``KVGRID_CPU_LINEAR=packed|onednn|torch`` decides without timing (``auto``, the default, times).
     Returns the choice; None when there is nothing to decide (no oneDNN op, or no float32 CPU weight)."""
-    choice = os.environ.get("KVGRID_CPU_LINEAR", "auto")
-    if choice not in ("auto", *FLOAT32_PATHS):
-        raise ValueError(f"KVGRID_CPU_LINEAR must be auto, packed, onednn or torch, not {choice!r}")
+    choice = env.cpu_linear()
     if _onednn_linear is None or _use_onednn is False:
         return None if _use_onednn is None else "torch"
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)

@@ -9,9 +9,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from common import env
+
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVGRID_CACHE") or Path.home() / ".cache" / "kvgrid").expanduser()
+    return env.cache_root()
 
 
 def build_atomically(target: Path, build: Callable[[Path], object]) -> Path:
