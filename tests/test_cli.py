@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -479,3 +481,28 @@ def test_debug_shows_the_traceback_then_the_line(tmp_path):
         assert lines[-1].startswith("kvgrid: error: cannot read config") and missing in lines[-1]
         assert ("Traceback (most recent call last):" in out.stderr) == traceback
         assert len(lines) > 1 if traceback else len(lines) == 1, out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_on_a_burst_of_signals(sig):
+    """kvgrid serve's wait returns on SIGINT or SIGTERM, also when several arrive at once (a double Ctrl-C), and
+    leaves a stop event set by another thread working."""
+    from router.control.serve import wait_for_stop
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    burst = threading.Timer(0.3, lambda: [os.kill(os.getpid(), sig) for _ in range(5)])
+    try:
+        burst.start()
+        start = time.monotonic()
+        wait_for_stop(threading.Event())
+        assert time.monotonic() - start < 10
+        burst.join()
+        time.sleep(0.2)  # the burst's last signals are handled here, by the first wait's handler
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        wait_for_stop(stop)
+        assert stop.is_set()
+    finally:
+        burst.cancel()
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import sys
@@ -277,17 +278,29 @@ def run(
         _phase(f"gateway: {cfg.http.replicas} replica(s) ready on {where}")
         _print_banner(cfg)
         print("ready", flush=True)
-        stop = stop or threading.Event()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
         ray.get([r.poll.remote() for r in routers])  # the routers follow the groups' events from now on
-        stop.wait()
+        wait_for_stop(stop or threading.Event())
         print("shutting down", flush=True)
         return 0
     finally:
         port_hold.close()
         _shutdown(supervisor, embedded)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def wait_for_stop(stop: threading.Event, poll_s: float = 0.2) -> None:
+    """Returns once ``stop`` is set or, on the main thread, SIGINT or SIGTERM arrives. The handler only records
+    the signal: calling ``stop.set()`` in it could deadlock, since a second signal during the first handler's
+    ``set`` would wait on the Event's lock held by the same thread (a double Ctrl-C, or ``timeout`` forwarding
+    the signal a terminal also sent)."""
+    signalled: list[int] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, _frame: signalled.append(signum))
+    while not signalled and not stop.wait(poll_s):
+        pass
 
 
 def _router_args(cfg: ServeConfig, redis_url: str) -> dict:
@@ -349,12 +362,22 @@ def _start_gateways(
     run_app(app, "kvgrid")
 
 
+def _not_reconnecting(record: logging.LogRecord) -> bool:
+    """Drops Serve's "Connecting to existing Serve app ... New http_options/controller_options will not be applied":
+    ``serve.run`` starts Serve again after ``serve.start`` turned its proxy off, and the options it would not apply
+    are its defaults, which kvgrid never sets; the line is true but misleads an operator."""
+    return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
 def run_app(app, name: str) -> None:
     """``serve.run`` without waiting for traffic; when the application fails to deploy, the error says why (Serve's
     own says only which deployments failed; the reason, e.g. a replica constructor's exception, is in its
     status)."""
     from ray import serve
 
+    serve_log = logging.getLogger("ray.serve")
+    if _not_reconnecting not in serve_log.filters:
+        serve_log.addFilter(_not_reconnecting)
     try:
         serve.run(app, name=name, route_prefix=None, blocking=False)
     except RuntimeError as exc:
