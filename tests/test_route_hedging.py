@@ -13,6 +13,7 @@ import pytest
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from common.errors import NoGroup, Overloaded
+from router.clients import RouterClient
 from router.gateway.core import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, HedgeBudget
 
 ATTEMPT = "acme-0123-0"
@@ -62,7 +63,7 @@ def RouterError(cause: Exception) -> RayError:  # noqa: N802 (stands for the cla
 def gateway(*replicas: Replica, budget: HedgeBudget | None = None) -> SimpleNamespace:
     """The gateway state ``_route`` reads; the first replica is asked first."""
     return SimpleNamespace(
-        routers=list(replicas),
+        routers=[RouterClient(r) for r in replicas],
         _next_router=len(replicas) - 1,
         _router_failed_at=[-math.inf] * len(replicas),
         _hedges=budget or HedgeBudget(),
@@ -81,12 +82,12 @@ def test_a_silent_replica_is_hedged_and_forgets_the_route_and_is_asked_last_afte
 
     async def scenario():
         router, decision, took = await route(gw)
-        assert router is fast and decision.group == "group-of-fast"
+        assert router.handle is fast and decision.group == "group-of-fast"
         assert HEDGE_DELAY_S <= took < ROUTE_TIMEOUT_S  # no wait for the failover timeout
         assert slow.forgot == [ATTEMPT] and fast.forgot == []  # only the replica that serves it counts it
         assert slow.finished == fast.finished == []  # a loser's route is cancelled, not finished
         router, _, took = await route(gw, "acme-4567-0")  # the slow replica's turn, but it is tried last now
-        assert router is fast and took < HEDGE_DELAY_S and slow.asked == [ATTEMPT]
+        assert router.handle is fast and took < HEDGE_DELAY_S and slow.asked == [ATTEMPT]
 
     asyncio.run(scenario())
 
@@ -97,7 +98,7 @@ def test_the_first_decision_wins_and_the_replica_asked_next_forgets_its_own():
 
     async def scenario():
         router, _, took = await route(gw)
-        assert router is late and took < 1.0
+        assert router.handle is late and took < 1.0
         assert later.asked == [ATTEMPT] and later.forgot == [ATTEMPT] and late.forgot == []
         assert gw._router_failed_at == [-math.inf, -math.inf]  # it answered: neither counts as slow
 
@@ -110,7 +111,7 @@ def test_a_failed_replica_hands_over_without_waiting_for_the_hedge():
 
     async def scenario():
         router, _, took = await route(gw)
-        assert router is alive and took < HEDGE_DELAY_S
+        assert router.handle is alive and took < HEDGE_DELAY_S
         assert dead.forgot == [ATTEMPT] and gw._router_failed_at[0] > -math.inf
 
     asyncio.run(scenario())
@@ -145,7 +146,7 @@ async def _decision_and_overload(gw, gate: asyncio.Event, busy: Replica, able: R
     await asyncio.sleep(HEDGE_DELAY_S + 0.05)  # both asked
     gate.set()  # both answer in the same loop iteration
     router, decision, _ = await task
-    assert router is able and decision.group == "group-of-able"
+    assert router.handle is able and decision.group == "group-of-able"
     assert busy.forgot == [ATTEMPT] and able.forgot == []
     assert gw._router_failed_at == [-math.inf, -math.inf]  # it answered: not slow
 
@@ -163,7 +164,7 @@ async def _answered_with_the_winner(gw, gate: asyncio.Event, empty: Replica, abl
     await asyncio.sleep(HEDGE_DELAY_S + 0.05)
     gate.set()
     router, _, _ = await task
-    assert router is able and gw._router_failed_at == [-math.inf, -math.inf]
+    assert router.handle is able and gw._router_failed_at == [-math.inf, -math.inf]
     assert empty.forgot == [ATTEMPT]
 
 
@@ -177,7 +178,7 @@ def test_two_decisions_at_once_the_replica_asked_first_wins_and_the_other_cancel
         await asyncio.sleep(HEDGE_DELAY_S + 0.05)
         gate.set()
         router, _, _ = await task
-        assert router is first and second.forgot == [ATTEMPT] and first.forgot == []
+        assert router.handle is first and second.forgot == [ATTEMPT] and first.forgot == []
 
     asyncio.run(scenario())
 
@@ -188,7 +189,7 @@ def test_a_request_hedges_once_however_many_replicas_are_slow():
 
     async def scenario():
         router, _, took = await route(gw)
-        assert router is c and took >= ROUTE_TIMEOUT_S  # the third is asked once the first timed out
+        assert router.handle is c and took >= ROUTE_TIMEOUT_S  # the third is asked once the first timed out
         assert c.asked_at[0] - a.asked_at[0] >= ROUTE_TIMEOUT_S
         assert b.asked_at[0] - a.asked_at[0] < ROUTE_TIMEOUT_S  # the one hedge
         assert a.forgot == b.forgot == [ATTEMPT]
@@ -238,7 +239,7 @@ def test_request_events_reach_each_replica_in_order_in_one_call_per_interval():
     from router.gateway.core import RouterReports
 
     calls: dict[str, list[list[tuple[str, str]]]] = {"a": [], "b": []}
-    a, b = (SimpleNamespace(report=SimpleNamespace(remote=calls[n].append)) for n in "ab")
+    a, b = (RouterClient(SimpleNamespace(report=SimpleNamespace(remote=calls[n].append))) for n in "ab")
 
     async def scenario():
         reports = RouterReports(interval_s=0.05)

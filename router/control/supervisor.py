@@ -32,6 +32,7 @@ from common.event_stream import stream_client
 from common.log_relay import relay_logging
 from common.protocol import RankHandle, RouterHandle, Submit
 from common.sampling import SamplingParams
+from router.clients import RouterClient
 from router.routing.service import restarted
 from worker.group import GroupConfig, WorkerGroup, pg_name
 from worker.group_client import GroupClient
@@ -72,7 +73,7 @@ class Supervisor:
         # The RouterService replicas (handles, or the names `kvgrid serve` passes: an actor handle among the
         # arguments of an actor Ray may restart makes Ray warn that a restart could lose them): each learns of
         # every group change.
-        self.routers: list[RouterHandle] = [ray.get_actor(r) if isinstance(r, str) else r for r in routers]
+        self.routers = [RouterClient(ray.get_actor(r) if isinstance(r, str) else r) for r in routers]
         self.router = self.routers[0]  # the one that places moved pins
         self.redis_url = redis_url
         self.health_interval_s = health_interval_s
@@ -255,13 +256,13 @@ class Supervisor:
             if (tenant, tuple(tokens)) in moved:
                 continue
             try:
-                decision = ray.get(self.router.route.remote(tenant, tokens, None, [name]), timeout=30)
+                decision = ray.get(self.router.route(tenant, tokens, None, [name]), timeout=30)
                 try:
                     params = SamplingParams(max_tokens=1, temperature=0.0)
                     req = Submit(tokens, params, tenant, decision.request_id, len(tokens), ttl_s)
                     GroupClient(decision.group, decision.leader).run(req, RECOMPUTE_TIMEOUT_S)
                 finally:
-                    self.router.on_finish.remote(decision.request_id)
+                    self.router.on_finish(decision.request_id)
                 moved.add((tenant, tuple(tokens)))
             except Exception as exc:  # the entry is lost on this group only: it is recomputed on next use
                 _log(f"group {name}: could not move a pinned entry ({type(exc).__name__})", logging.WARNING)
@@ -284,11 +285,11 @@ class Supervisor:
             client.close()
 
     def _tell_routers(
-        self, method: str, *args, routers: Sequence[RouterHandle] | None = None, timeout_s: float = ROUTER_TIMEOUT_S
+        self, method: str, *args, routers: Sequence[RouterClient] | None = None, timeout_s: float = ROUTER_TIMEOUT_S
     ) -> None:
         """Call ``method`` on every router replica (or those in ``routers``); a replica that fails or does not
         answer is logged, not fatal (the health check catches it up once it answers again)."""
-        refs = [getattr(r, method).remote(*args) for r in (self.routers if routers is None else routers)]
+        refs = [getattr(r, method)(*args) for r in (self.routers if routers is None else routers)]  # a RouterClient's
         deadline = time.monotonic() + timeout_s
         for ref in refs:
             try:
@@ -299,7 +300,7 @@ class Supervisor:
     def _router_groups(self) -> list[dict | None]:
         """Each router replica's groups (``RouterService.groups``), None for a replica that did not answer
         within ``ROUTER_POLL_TIMEOUT_S`` (dead or restarting)."""
-        refs = [r.groups.remote() for r in self.routers]
+        refs = [r.groups() for r in self.routers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ROUTER_POLL_TIMEOUT_S)
         out: list[dict | None] = []
         for ref in refs:

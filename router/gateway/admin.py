@@ -19,8 +19,8 @@ Group load is operator data: it moves with every tenant's traffic, so no tenant 
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError, RayError
 
 from common.errors import remote_cause
-from common.protocol import RouterHandle, SupervisorHandle
+from router.clients import RouterClient, SupervisorClient
 from router.gateway.health import Health
 from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
@@ -93,7 +93,10 @@ def _remote_error(exc: BaseException) -> _AdminError:
     return _AdminError(500, f"{type(cause or exc).__name__}: {cause or exc}")
 
 
-async def _call(ref, timeout_s: float = CALL_TIMEOUT_S):
+T = TypeVar("T")
+
+
+async def _call(ref: Awaitable[T], timeout_s: float = CALL_TIMEOUT_S) -> T:
     """The result of a remote call, or the matching admin error (never a wait without end)."""
     try:
         return await asyncio.wait_for(ref, timeout_s)
@@ -131,14 +134,14 @@ class Admin:
         self,
         keys: KeyRing,
         tenants: list[str],
-        supervisor: SupervisorHandle,
-        routers: list[RouterHandle],
+        supervisor: SupervisorClient,
+        routers: Sequence[RouterClient],
         docs: bool = False,
         health: Health | None = None,
     ) -> None:
         self.keys = keys
         self.tenants = set(tenants)
-        self.supervisor, self.routers = supervisor, list(routers)
+        self.supervisor, self.routers = SupervisorClient.of(supervisor), [RouterClient.of(r) for r in routers]
         self.health = health  # the replica's probes (router/gateway/health.py), for /v1/status
         self.started = time.time()
         self.docs_on = docs
@@ -151,12 +154,12 @@ class Admin:
         if not self.keys.authenticate("admin", presented_key(request.headers)):
             raise _AdminError(401, "invalid admin key")
 
-    async def _ask_router(self, method: str, *args):
+    async def _ask_router(self, ask: Callable[[RouterClient], Awaitable[T]]) -> T:
         """Ask the first router replica that answers (a dead or restarting one is skipped)."""
         last: BaseException | None = None
         for router in self.routers:
             try:
-                return await asyncio.wait_for(getattr(router, method).remote(*args), CALL_TIMEOUT_S)
+                return await asyncio.wait_for(ask(router), CALL_TIMEOUT_S)
             except (TimeoutError, RayActorError) as exc:
                 last = exc
             except RayError as exc:
@@ -182,10 +185,10 @@ class Admin:
     @routes.get("/v1/groups")
     async def groups(self, request: Request):
         self._auth(request)
-        index_keys = []  # per router replica; one that does not answer shows as null
+        index_keys: list[dict[str, int] | None] = []  # per router replica; one that does not answer shows as null
         for r in self.routers:
             try:
-                index_keys.append(await asyncio.wait_for(r.index_key_counts.remote(), CALL_TIMEOUT_S))
+                index_keys.append(await asyncio.wait_for(r.index_key_counts(), CALL_TIMEOUT_S))
             except (TimeoutError, RayError):
                 index_keys.append(None)
         routers: list[dict | None] = []  # each replica's process (a new pid after Ray restarted it); null if silent
@@ -193,13 +196,13 @@ class Admin:
         for r in self.routers:
             for out, call in ((routers, r.info), (router_groups, r.groups)):
                 try:
-                    out.append(await asyncio.wait_for(call.remote(), CALL_TIMEOUT_S))
+                    out.append(await asyncio.wait_for(call(), CALL_TIMEOUT_S))
                 except (TimeoutError, RayError):
                     out.append(None)
         return {
-            "groups": await _call(self.supervisor.describe.remote(), DESCRIBE_TIMEOUT_S),
+            "groups": await _call(self.supervisor.describe(), DESCRIBE_TIMEOUT_S),
             "index_keys": index_keys,
-            "supervisor": await _call(self.supervisor.info.remote()),
+            "supervisor": await _call(self.supervisor.info()),
             "routers": routers,
             "router_groups": router_groups,
         }
@@ -214,7 +217,7 @@ class Admin:
 
         async def supervisor() -> dict:
             try:
-                return {"answered": True, **await asyncio.wait_for(self.supervisor.status.remote(), STATUS_TIMEOUT_S)}
+                return {"answered": True, **await asyncio.wait_for(self.supervisor.status(), STATUS_TIMEOUT_S)}
             except Exception as exc:  # restarting (Ray restarts it), or busy
                 return {"answered": False, "error": type(exc).__name__}
 
@@ -244,9 +247,7 @@ class Admin:
     async def scale(self, request: Request):
         self._auth(request)
         body: ScaleRequest = await _parse(request, ScaleRequest)
-        groups = await _call(
-            self.supervisor.scale.remote(body.groups, body.remove, body.drain_timeout_s), SCALE_TIMEOUT_S
-        )
+        groups = await _call(self.supervisor.scale(body.groups, body.remove, body.drain_timeout_s), SCALE_TIMEOUT_S)
         return {"groups": groups}
 
     @routes.post("/v1/match")
@@ -255,14 +256,14 @@ class Admin:
         body: MatchRequest = await _parse(request, MatchRequest)
         if body.tenant not in self.tenants:
             raise _AdminError(404, f"no tenant {body.tenant!r}")
-        return {"groups": await self._ask_router("match", body.tenant, body.token_ids)}
+        return {"groups": await self._ask_router(lambda r: r.match(body.tenant, body.token_ids))}
 
     @routes.get("/v1/metrics")
     async def metrics(self, request: Request):
         self._auth(request)
         for gauge, _ in self.gauges:  # drained groups disappear
             gauge.clear()
-        for group, leader in (await self._ask_router("leaders_now")).items():
+        for group, leader in (await self._ask_router(RouterClient.leaders_now)).items():
             try:
                 stats = await GroupClient(group, leader).astats(CALL_TIMEOUT_S)
             except Exception:  # gone, not answering, or failing: no gauges for it, the others still show

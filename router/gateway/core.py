@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from functools import partial
@@ -33,8 +33,9 @@ from common.config import MonitoringConfig, ServeConfig, TenantConfig
 from common.errors import GroupUnhealthyError, NoGroup, Overloaded, RequestAborted, RequestFailed, remote_cause
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import RequestOutput, Timings, merge_choices
-from common.protocol import RouterHandle, Submit
+from common.protocol import Submit
 from common.sampling import SamplingParams, StructuredOutput
+from router.clients import RouterClient
 from router.gateway.access import current as current_access
 from router.gateway.chat import ChatPrompt, ChatTemplateError, encode_chat
 from router.gateway.economics import Prices, RequestCost, dollars, request_cost
@@ -552,10 +553,10 @@ class RouterReports:
 
     def __init__(self, interval_s: float = REPORT_INTERVAL_S) -> None:
         self.interval_s = interval_s
-        self._pending: dict[int, tuple[RouterHandle, list[tuple[str, str]]]] = {}
+        self._pending: dict[int, tuple[RouterClient, list[tuple[str, str]]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, router: RouterHandle, kind: str, request_id: str) -> None:
+    def add(self, router: RouterClient, kind: str, request_id: str) -> None:
         entry = self._pending.get(id(router))
         if entry is None:
             entry = self._pending[id(router)] = (router, [])
@@ -572,7 +573,7 @@ class RouterReports:
             self._timer = None
         pending, self._pending = self._pending, {}
         for router, events in pending.values():
-            router.report.remote(events)
+            router.report(events)
 
 
 class HedgeBudget:
@@ -676,12 +677,11 @@ class CpuPool:
 
 
 class Gateway:
-    """One gateway replica's state and what every API does with it; ``config`` carries no API keys (``keys``
-    holds their hashes). ``routers``: the RouterService replicas; each request stays with the one that routed
-    it."""
+    """One gateway replica's state and what every API does with it (``config`` has no API keys, ``keys`` their
+    hashes). ``routers``: the RouterService replicas' clients; a request stays with the replica that routed it."""
 
     def __init__(
-        self, config: ServeConfig, keys: KeyRing, model_path: str, routers: list[RouterHandle], redis_url: str
+        self, config: ServeConfig, keys: KeyRing, model_path: str, routers: Sequence[RouterClient], redis_url: str
     ) -> None:
         self.config = config
         self.model_id = config.model_id
@@ -697,7 +697,7 @@ class Gateway:
         self.vocab_size = len(self.tokenizer)
         mcfg = ModelConfig.from_folder(model_path)
         self.max_model_len = max_model_len(mcfg, config.max_model_len)  # the same limit the engine enforces
-        self.routers = list(routers)
+        self.routers = [RouterClient.of(r) for r in routers]
         self._next_router = secrets.randbelow(len(self.routers))
         self._router_failed_at = [-math.inf] * len(self.routers)
         self._hedges = HedgeBudget()
@@ -1017,7 +1017,7 @@ class Gateway:
         api: str,
         cache_key: str | None = None,
         n: int = 1,
-    ) -> tuple[RouterHandle, RouteDecision]:
+    ) -> tuple[RouterClient, RouteDecision]:
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
         request, within ``HEDGE_BUDGET``), and the first decision wins; every other replica asked cancels the
@@ -1042,7 +1042,7 @@ class Gateway:
         def ask() -> None:
             nonlocal asked
             timeout_s = ROUTE_TIMEOUT_S if asked < replicas - 1 else LAST_ROUTE_TIMEOUT_S
-            call = self.routers[order[asked]].route.remote(t.name, prompt, attempt, failed, cache_key, n)
+            call = self.routers[order[asked]].route(t.name, prompt, attempt, failed, cache_key, n)
             pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
             asked += 1
 
@@ -1063,7 +1063,7 @@ class Gateway:
                     for call in done:
                         k = pending.pop(call)
                         if call is not winner:  # it answered: not slow, but it may have routed the request too
-                            self.routers[order[k]].cancel_route.remote(attempt)
+                            self.routers[order[k]].cancel_route(attempt)
                     return self.routers[order[won]], winner.result()
                 for call in done:
                     j = order[pending.pop(call)]
@@ -1071,7 +1071,7 @@ class Gateway:
                         call.result()
                     except (TimeoutError, RayActorError):
                         self._router_failed_at[j] = time.monotonic()
-                        self.routers[j].cancel_route.remote(attempt)  # in case it did route it
+                        self.routers[j].cancel_route(attempt)  # in case it did route it
                     except RayError as exc:
                         cause = remote_cause(exc)
                         if isinstance(cause, Overloaded):
@@ -1086,7 +1086,7 @@ class Gateway:
             for call, k in pending.items():
                 call.cancel()
                 call.add_done_callback(lambda c: c.cancelled() or c.exception())  # its late failure is expected
-                self.routers[order[k]].cancel_route.remote(attempt)
+                self.routers[order[k]].cancel_route(attempt)
                 if won is not None and k < won:
                     self._router_failed_at[order[k]] = time.monotonic()
         if no_group is not None:
@@ -1134,7 +1134,7 @@ class Gateway:
         rt = current_trace()  # the request's trace (router/gateway/tracing.py), when tracing is on
         while True:
             attempt = f"{rid}-{len(failed)}"
-            router: RouterHandle | None = None
+            router: RouterClient | None = None
             decision: RouteDecision | None = None
             out: RequestOutput | None = None
             lasts: dict[int, RequestOutput] = {}  # n > 1: each choice's latest output
@@ -1177,7 +1177,7 @@ class Gateway:
             except GroupFailed as exc:
                 assert decision is not None  # only the group's stream raises it, after routing
                 for r in self.routers:  # no replica should send more requests there
-                    r.report_failure.remote(decision.group, str(exc))
+                    r.report_failure(decision.group, str(exc))
                 failed.append(decision.group)
                 if (yielded and not restartable) or len(failed) > MAX_GROUP_RETRIES:
                     raise err(503, f"worker group {decision.group} failed during the request; retry it", api) from None

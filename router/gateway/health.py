@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from common.protocol import RouterHandle
+from router.clients import RouterClient
 from worker.group_client import GroupClient
 
 READY_WINDOW_S = 5.0  # a group that answered this recently counts
@@ -39,8 +40,8 @@ async def _bounded(awaitable: Any, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
 class Health:
     """One replica's probes. ``redis``: its Redis client; ``routers``: the router replicas."""
 
-    def __init__(self, redis: Any, routers: list[RouterHandle]) -> None:
-        self.redis, self.routers = redis, list(routers)
+    def __init__(self, redis: Any, routers: Sequence[RouterClient]) -> None:
+        self.redis, self.routers = redis, [RouterClient.of(r) for r in routers]
         self._answered: dict[str, tuple[Any, float]] = {}  # group -> (its leader, when it last answered healthy)
         self._reasons: list[str] = []
         self._at = -math.inf
@@ -61,9 +62,9 @@ class Health:
         """Each router replica: the groups it routes to (with their leaders, under ``leaders``: not for JSON), or
         that it did not answer."""
 
-        async def ask(router: RouterHandle) -> dict[str, Any]:
+        async def ask(router: RouterClient) -> dict[str, Any]:
             try:
-                leaders = await _bounded(router.leaders_now.remote())
+                leaders = await _bounded(router.leaders_now())
             except Exception as exc:  # dead, restarting, stuck, or no replica at all
                 return {"answered": False, "error": type(exc).__name__}
             return {"answered": True, "groups": sorted(leaders), "leaders": leaders}

@@ -30,6 +30,7 @@ from ray import serve
 
 from common.config import HttpConfig, ServeConfig
 from common.log_relay import relay_logging
+from router.clients import RouterClient, SupervisorClient
 from router.gateway.admin import Admin, create_admin_app
 from router.gateway.app import Gateway, create_app
 from router.gateway.health import Health
@@ -201,12 +202,14 @@ class GatewayReplica:
         relay_logging(config.logging.access_log)
 
         def make_app() -> FastAPI:
-            self.gateway = Gateway(config, keys, model_path, routers, redis_url)
-            health = Health(self.gateway.redis, routers)  # /ready and the admin API's /v1/status share its probes
+            clients = [RouterClient(r) for r in routers]
+            self.gateway = Gateway(config, keys, model_path, clients, redis_url)
+            health = Health(self.gateway.redis, clients)  # /ready and the admin API's /v1/status share its probes
             admin = None
             if supervisor is not None:
+                sup = SupervisorClient(supervisor)
                 admin = create_admin_app(
-                    Admin(keys, [t.name for t in config.tenants], supervisor, routers, config.http.docs, health)
+                    Admin(keys, [t.name for t in config.tenants], sup, clients, config.http.docs, health)
                 )
             return create_app(self.gateway, admin, health)
 
