@@ -140,17 +140,17 @@ def configure_logging(fmt: LogFormat = "text", access_log: bool = True) -> None:
             logging.getLogger(name).setLevel(logging.INFO)
         return
     form = formatter(fmt)
-    if isinstance(previous, logging.StreamHandler) and previous.stream in (sys.stderr, sys.__stderr__):
-        previous.setFormatter(form)
-        err = previous
-    else:
-        err = logging.StreamHandler(sys.stderr)
-        err.setFormatter(form)
-    previous_access = _installed.get("access")
-    if isinstance(previous_access, logging.StreamHandler) and previous_access.stream in (sys.stdout, sys.__stdout__):
-        previous_access.setFormatter(form)
-        out = previous_access
-    else:
-        out = logging.StreamHandler(sys.stdout)
-        out.setFormatter(form)
+    err = _stream_handler(previous, sys.stderr, sys.__stderr__, form=form)
+    out = _stream_handler(_installed.get("access"), sys.stdout, sys.__stdout__, form=form)
     install(err, out, access_log)
+
+
+def _stream_handler(previous: logging.Handler | None, *streams: Any, form: logging.Formatter) -> logging.Handler:
+    """``previous`` with ``form`` when it is a stream handler on one of ``streams`` (a second configure_logging
+    keeps it), else a new handler on the first of them."""
+    if isinstance(previous, logging.StreamHandler) and previous.stream in streams:
+        previous.setFormatter(form)
+        return previous
+    handler = logging.StreamHandler(streams[0])
+    handler.setFormatter(form)
+    return handler

@@ -5,30 +5,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+from typing import Any
 
 from common import env
 
-if TYPE_CHECKING:
-    pass
 
-
-def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
-    """One call to a running server's admin API; raises ValueError with the server's message."""
+def _call(method: str, url: str, key: str, timeout: float, body: dict | None = None, no_route: str = "") -> Any:
+    """One authenticated call to a running server, its JSON answer; raises ValueError naming an unreachable server,
+    ``no_route`` for a 404 of no API error (the path is not served there), else the server's own message."""
     import httpx
 
-    key = args.admin_key or env.admin_key()
-    if not key:
-        raise ValueError(
-            "no admin key given; pass --admin-key or set KVGRID_ADMIN_KEY (one of admin_keys in the config)"
-        )
-    url = args.url.rstrip("/") + "/admin/v1" + path
     try:
-        r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
+        r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {exc}; check --url and that the server runs") from None
-    if r.status_code == 404 and "error" not in r.text:
-        raise ValueError(f"{args.url} has no admin API; set admin_keys in its config (and restart it)")
+    if no_route and r.status_code == 404 and "error" not in r.text:
+        raise ValueError(no_route)
     if r.status_code != 200:
         try:
             msg = r.json()["error"]["message"]
@@ -36,6 +28,18 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | N
             msg = r.text[:200]
         raise ValueError(f"{r.status_code}: {msg}")
     return r.json()
+
+
+def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    """One call to a running server's admin API; raises ValueError with the server's message."""
+    key = args.admin_key or env.admin_key()
+    if not key:
+        raise ValueError(
+            "no admin key given; pass --admin-key or set KVGRID_ADMIN_KEY (one of admin_keys in the config)"
+        )
+    url = args.url.rstrip("/") + "/admin/v1" + path
+    no_route = f"{args.url} has no admin API; set admin_keys in its config (and restart it)"
+    return _call(method, url, key, args.timeout, body, no_route)
 
 
 def _print_groups(groups: list[dict]) -> None:
@@ -89,23 +93,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             min_prefix_tokens=args.min_prefix_tokens,
         )
     else:
-        import httpx
-
         key = args.key or env.api_key()
         if not (args.tenant and key):
             raise ValueError("pass --file, or --tenant and --key (or KVGRID_API_KEY) to ask a running server")
-        url = f"{args.url.rstrip('/')}/{args.tenant}/v1/cache/advice"
-        try:
-            r = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=args.timeout)
-        except httpx.HTTPError as exc:
-            raise ValueError(f"cannot reach {url}: {exc}; check --url and that the server runs") from None
-        if r.status_code != 200:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:
-                msg = r.text[:200]
-            raise ValueError(f"{r.status_code}: {msg}")
-        report = r.json()
+        report = _call("GET", f"{args.url.rstrip('/')}/{args.tenant}/v1/cache/advice", key, args.timeout)
     print(json.dumps(report, indent=2) if args.json else advisor.format_report(report))
     return 0
 
