@@ -71,7 +71,6 @@ def _env(tmp: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The sdist and the wheel (built from the sdist, as `python -m build` does), from a copy of the checkout."""
-    pytest.importorskip("build", reason="the test extra's `build` package builds the sdist and the wheel")
     tmp = tmp_path_factory.mktemp("packaging")
     src, dist = tmp / "src", tmp / "dist"
     for f in _checkout_files():
