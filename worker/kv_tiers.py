@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from common.config import disk_tier_path
+from common.machine import disk_tier_path
 
 
 @dataclass
