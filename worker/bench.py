@@ -93,7 +93,21 @@ def run(
     dtype: str = "auto",
     decode_threads: int | None = None,
     closed_loop: tuple[int, int] = (128, 64),
+    num_blocks: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> dict:
+    """TTFT cold and over a cached prefix, decode tokens/s per batch and the closed loop per stream count (see
+    ``_closed_loop``), every figure after a warm-up. ``num_blocks``: the KV cache's size (default: the engine's
+    choice). ``timings``, if given, receives the seconds each phase took (engine start, warm-ups, each figure)."""
+    phases = timings if timings is not None else {}
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = now - mark
+        mark = now
+
     engine = Engine(
         EngineConfig(
             model=model,
@@ -102,14 +116,22 @@ def run(
             cuda_graphs=cuda_graphs,
             dtype=dtype,
             decode_threads=decode_threads,
+            num_blocks=num_blocks,
         )
     )
+    phase("engine start")
     bs = engine.config.block_size
     if cached % bs or not 0 < cached < prompt_len:
         raise ValueError(f"cached must be a multiple of the block size ({bs}) below the prompt length")
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     _ttft(engine, [rng.randrange(vocab) for _ in range(prompt_len)])  # warm-up
+    # A few decode steps at every batch size, so no figure pays a kernel's first compile (Triton's JIT, in eager
+    # mode, specialises on sizes: the first decode at a new one costs seconds).
+    for b in batches:
+        _decode_rate(engine, b, 128, 4, rng)
+    engine.reset_prefix_cache()
+    phase("warm-up")
     cold, hit, hit_cached = [], [], 0
     for _ in range(repeats):
         engine.reset_prefix_cache()
@@ -120,6 +142,11 @@ def run(
         t, hit_cached = _ttft(engine, sibling)
         hit.append(t)
     engine.reset_prefix_cache()
+    phase("TTFT")
+    decode = {b: _decode_rate(engine, b, 128, decode_steps, rng) for b in batches}
+    phase("decode")
+    loops = {str(b): _closed_loop(engine, b, *closed_loop, 8 * b, rng) for b in batches}
+    phase("closed loop")
     result: dict[str, Any] = {
         "device": str(engine.device),
         "cuda_graphs": engine.runner.graphs is not None,
@@ -129,12 +156,8 @@ def run(
         "ttft_hit_ms": statistics.median(hit) * 1e3,
         "hit_cached_tokens": hit_cached,
         "ttft_ratio": statistics.median(hit) / statistics.median(cold),
-        "decode_tokens_per_s": {b: _decode_rate(engine, b, 128, decode_steps, rng) for b in batches},
-        "closed_loop": {
-            "prompt_tokens": closed_loop[0],
-            "output_tokens": closed_loop[1],
-            **{str(b): _closed_loop(engine, b, *closed_loop, 8 * b, rng) for b in batches},
-        },
+        "decode_tokens_per_s": decode,
+        "closed_loop": {"prompt_tokens": closed_loop[0], "output_tokens": closed_loop[1], **loops},
     }
     if as_json:
         print(json.dumps(result, indent=2))

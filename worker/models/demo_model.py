@@ -3,7 +3,8 @@
 ``write_demo_model`` writes a complete model folder (config, generation config, safetensors weights, a byte-level BPE
 tokenizer with a ChatML chat template) in the classic layout that transformers 4.x/5.x and vLLM read unchanged.
 ``cached_demo_model`` keeps a copy in kvgrid's model cache, which ``registry.resolve_model`` maps the names
-``demo`` / ``demo:<variant>`` to.
+``demo`` / ``demo:<variant>`` to. ``write_shaped_model`` writes a folder with the same tokenizer and vocabulary but a
+real model's layer shapes and noise weights, for speed benchmarks.
 
 The weights are random but "peaky": greedy next-token logits usually have a clear winner (median top-1/top-2 gap about
 1.5), so two correct implementations that differ only in float rounding pick the same tokens. Being random, the model
@@ -17,13 +18,14 @@ The tokenizer never adds special tokens on its own: ``tokenizer("hi")`` is just 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,8 +344,14 @@ def _write_demo_model(out: Path, variant: str, seed: int) -> Path:
     spec = _spec(variant)
     out.mkdir(parents=True, exist_ok=True)
     ids, vocab_size = _tokenizer_facts()
+    _write_folder_files(out, spec, _config(spec, vocab_size, ids), ids)
+    save_file(_state_dict(spec, vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
-    _write_json(out / "config.json", _config(spec, vocab_size, ids))
+
+def _write_folder_files(out: Path, spec: _Spec, config: dict[str, Any], ids: dict[str, int]) -> None:
+    """Everything of a model folder but its weights: config, generation config and the tokenizer's files."""
+    _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
         {
@@ -353,8 +361,6 @@ def _write_demo_model(out: Path, variant: str, seed: int) -> Path:
             "do_sample": False,
         },
     )
-    save_file(_state_dict(spec, vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-
     (out / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
     special = {
         "bos_token": BOS_TOKEN,
@@ -377,6 +383,81 @@ def _write_demo_model(out: Path, variant: str, seed: int) -> Path:
         },
     )
     _write_json(out / "special_tokens_map.json", special)
+
+
+def write_shaped_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    variant: str = "llama",
+    dtype: str = "bfloat16",
+    std: float = 0.02,
+    device: str = "cpu",
+    seed: int = 0,
+    **shape: Any,
+) -> Path:
+    """Write a model folder with the demo tokenizer and vocabulary but another shape: ``shape`` overrides the
+    ``variant``'s layout fields (num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rope_theta,
+    rope_scaling, max_positions, ...). For benchmarks of a real model's size: the weights are plain normal noise
+    of ``std`` in ``dtype``, drawn on ``device`` and saved one shard per layer (with an index), so host memory
+    holds one layer at a time whatever the model's size. TypeError for a field the spec lacks."""
+    spec = dataclasses.replace(_spec(variant), **shape)
+    torch_dtype = getattr(torch, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids, vocab_size = _tokenizer_facts()
+    _write_folder_files(out, spec, {**_config(spec, vocab_size, ids), "torch_dtype": dtype}, ids)
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def noise(*size: int) -> torch.Tensor:
+        t = torch.randn(size, generator=gen, device=device, dtype=torch_dtype).mul_(std)
+        return t.cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch_dtype)
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        h, q_dim, kv_dim = spec.hidden, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        p = f"model.layers.{i}."
+        tensors = {
+            p + "input_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": noise(q_dim, h),
+            p + "self_attn.k_proj.weight": noise(kv_dim, h),
+            p + "self_attn.v_proj.weight": noise(kv_dim, h),
+            p + "self_attn.o_proj.weight": noise(h, q_dim),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "mlp.gate_proj.weight": noise(spec.intermediate, h),
+            p + "mlp.up_proj.weight": noise(spec.intermediate, h),
+            p + "mlp.down_proj.weight": noise(h, spec.intermediate),
+        }
+        if spec.qkv_bias:
+            for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                tensors[f"{p}self_attn.{name}_proj.bias"] = noise(n)
+        return tensors
+
+    def head() -> dict[str, torch.Tensor]:
+        tensors = {"model.norm.weight": ones(spec.hidden)}
+        if not spec.tie_embeddings:
+            tensors["lm_head.weight"] = noise(vocab_size, spec.hidden)
+        return tensors
+
+    # Shards built lazily, one at a time: the embedding, each layer, the final norm and head.
+    shards: list[Callable[[], dict[str, torch.Tensor]]] = [
+        lambda: {"model.embed_tokens.weight": noise(vocab_size, spec.hidden)},
+        *(functools.partial(layer, i) for i in range(spec.num_layers)),
+        head,
+    ]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for n, build in enumerate(shards, 1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        tensors = build()
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     return out
 
 
