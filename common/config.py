@@ -80,7 +80,7 @@ class LoggingConfig(_Strict):
 
 
 class MetricsConfig(_Strict):
-    """The tenants' Prometheus metrics (``GET /{tenant}/metrics``, router/gateway/core.py ``_Metrics``)."""
+    """The tenants' Prometheus metrics (``GET /{tenant}/metrics``; router/gateway/tenant_metrics.py)."""
 
     enabled: bool = Field(
         True,

@@ -86,11 +86,11 @@ def _gateway(demo_path, redis_client) -> Gateway:
         config, KeyRing.from_config(config), str(demo_path), [FakeRouter()], f"unix://{redis_client.socket_file}"
     )
 
-    async def route(t, prompt, attempt, failed, api, cache_key=None, n=1):
-        return gw.routers[0], RouteDecision(attempt, "g0", 0)
+    async def route(tenant, prompt, attempt, failed, api, cache_key=None, n=1):
+        return gw.pool.routers[0], RouteDecision(attempt, "g0", 0)
 
-    gw._route = route
-    gw._client = lambda decision: FakeGroup()
+    gw.pool.route = route  # type: ignore[method-assign]
+    gw.generation._client = lambda decision: FakeGroup()  # type: ignore[method-assign]
     return gw
 
 

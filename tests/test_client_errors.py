@@ -5,7 +5,7 @@ recursion without an exit, patterns that expand too far, special-token text), to
 
 One in-process gateway per test (no Ray: its router list is a placeholder), driven through the official
 ``openai`` and ``anthropic`` SDKs over an ASGI transport. A request that passes every check reaches a stand-in for
-``Gateway.generate``, which records its ``SamplingParams`` and answers one token."""
+``Generation.generate``, which records its ``SamplingParams`` and answers one token."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from common.config import ServeConfig
 from common.errors import RequestFailed
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
-from router.gateway.core import ApiError, Gateway, group_failure
+from router.gateway.core import Gateway
+from router.gateway.errors import ApiError, group_failure
+from router.gateway.generation import GenerateRequest
 from router.gateway.store import KeyRing
 from worker.models.demo_model import IM_END_TOKEN
 
@@ -73,20 +75,20 @@ def gateway(demo_path, redis_client):
 
 
 def drive(gateway, test) -> Any:
-    """``await test(clients)`` against the in-process gateway, closed after it. ``Gateway.generate`` is a stand-in
+    """``await test(clients)`` against the in-process gateway, closed after it. ``Generation.generate`` is a stand-in
     that records the request's ``SamplingParams`` and answers one token."""
     gw, app = gateway
     params: list[SamplingParams] = []
 
-    def fake_generate(t, prompt, sampling, api, *args, **kw):
-        params.append(sampling)
+    def fake_generate(req: GenerateRequest):
+        params.append(req.params)
 
         async def outputs():
-            yield RequestOutput("r", t.name, prompt, [5], "ok", [5], "ok", True, FinishReason.STOP, 0), 0
+            yield RequestOutput("r", req.tenant.name, req.prompt, [5], "ok", [5], "ok", True, FinishReason.STOP, 0), 0
 
         return outputs()
 
-    gw.generate = fake_generate  # type: ignore[method-assign]
+    gw.generation.generate = fake_generate  # type: ignore[method-assign]
 
     async def main() -> Any:
         async with httpx2.AsyncClient(

@@ -18,10 +18,7 @@ MAX_LINES = 600
 
 # Files still over MAX_LINES, with their line counts when listed: other work splits them. A listed file may not
 # grow, and leaves the list once it is split (the test fails until it is removed, so the list only shrinks).
-OVER_LIMIT = {
-    "router/gateway/core.py": 1297,
-    "router/gateway/protocol.py": 1007,
-}
+OVER_LIMIT: dict[str, int] = {}
 
 # Folders whose Python files are not counted: the tests, build outputs and environments.
 _SKIPPED_DIRS = {"tests", "build", "dist", "site", "node_modules", "__pycache__"}

@@ -115,7 +115,7 @@ def test_ledger_cost_equals_the_hand_computation_for_every_preset(demo_path, red
             t = gw.tenants[name]
             for r in reqs:
                 out = _out(name, r["prompt"], r["output"], r["cached"])
-                gw.account(t, out, 0, r["cached"], r["write"], r["cached"], write_ttl_s=r["ttl"])
+                gw.accounting.account(t, out, 0, r["cached"], r["write"], r["cached"], write_ttl_s=r["ttl"])
         await gw.ledger.flush()
         answers = {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:

@@ -264,7 +264,8 @@ def test_tokenizing_huge_inputs_runs_off_the_event_loop(demo_path, redis_client)
     lifted): they are tokenized in the worker pool, one at a time for their tenant, while the loop keeps answering
     the other tenant."""
     gw, app = _gateway(demo_path, redis_client)
-    gw.max_model_len = 2**21  # a long-context model: the bound lets a megabyte through to the tokenizer
+    # A long-context model: the bound lets a megabyte through to the tokenizer.
+    gw.max_model_len = gw.admission.max_model_len = gw.prompts.max_model_len = 2**21
     text = ("harbour ferry lantern quay " * (2**20 // 27 + 1))[: 2**20]
 
     async def run() -> tuple[list[float], list[float], list[httpx.Response], float]:
@@ -330,16 +331,16 @@ def test_count_tokens_counts_against_the_request_rate(demo_path, redis_client):
 def test_a_body_too_long_for_the_context_is_refused_before_it_is_tokenized(demo_path, redis_client, monkeypatch):
     """By its characters alone (every token of the model covers at most a few of them), every API's prompt that
     cannot fit the context, or the tenant's max_prompt_tokens, gets 413 without being tokenized."""
-    import router.gateway.core as core
+    import router.gateway.prompts as prompts
 
     encoded: list[int] = []
-    real = core.encode_chat
+    real = prompts.encode_chat
 
     def counting(*args, **kw):
         encoded.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(core, "encode_chat", counting)
+    monkeypatch.setattr(prompts, "encode_chat", counting)
     gw, app = _gateway(demo_path, redis_client, {"max_prompt_tokens": 100})
     text = ("harbour ferry lantern " * (2**21 // 22 + 1))[: 2**21]
     short = "harbour ferry " * 60  # over hostile's 100 tokens, but not by its characters alone (100 x 17 of them)
@@ -388,7 +389,7 @@ def test_a_body_too_long_for_the_context_is_refused_before_it_is_tokenized(demo_
 def test_the_cpu_pool_keeps_a_worker_for_another_tenant():
     """A tenant with many jobs runs at most its share of them at once (one of two workers here), also after the
     requests waiting for them have gone: another tenant's job starts at once."""
-    from router.gateway.core import CpuPool
+    from router.gateway.prompts import CpuPool
 
     running: dict[str, int] = {"a": 0, "b": 0}
     most = {"a": 0, "b": 0}

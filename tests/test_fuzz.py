@@ -27,14 +27,10 @@ from pydantic import BaseModel, ValidationError
 from common.model_config import load_tokenizer
 from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, serving
 from router.gateway.admin import MatchRequest, ScaleRequest
+from router.gateway.anthropic.protocol import MessagesRequest
 from router.gateway.chat import encode_chat
-from router.gateway.protocol import (
-    CachedContentPatch,
-    CachedContentRequest,
-    ChatRequest,
-    CompletionRequest,
-    MessagesRequest,
-)
+from router.gateway.gemini.protocol import CachedContentPatch, CachedContentRequest
+from router.gateway.openai.protocol import ChatRequest, CompletionRequest
 from worker.models.demo_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 
 PER_FAMILY = 5000

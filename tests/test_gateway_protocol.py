@@ -1,6 +1,7 @@
-"""The gateway's response models (router/gateway/protocol.py) put on the wire exactly the fields and values the
-hosted APIs send (what the official SDKs parse): absent optional parts left out, nulls kept, server-sent events
-framed as each API frames them. The SDK tests (test_serve.py and the others) drive them through real servers."""
+"""The gateway's response models (router/gateway/{openai,anthropic,gemini}/protocol.py, router/gateway/wire.py)
+put on the wire exactly the fields and values the hosted APIs send (what the official SDKs parse): absent optional
+parts left out, nulls kept, server-sent events framed as each API frames them. The SDK tests (test_serve.py and the
+others) drive them through real servers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 
 import pytest
 
-from router.gateway import protocol as p
-from router.gateway.core import ApiError, err
+from router.gateway import wire
+from router.gateway.anthropic import protocol as an
+from router.gateway.errors import ApiError, err
+from router.gateway.gemini import protocol as gm
+from router.gateway.openai import protocol as oa
 
 
 def sse_data(event: str) -> dict:
@@ -20,13 +24,13 @@ def sse_data(event: str) -> dict:
 
 
 def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_first():
-    usage = p.OpenAIUsage.of(prompt=7, completion=3, cached=4)
-    first = p.OpenAIChunk(
+    usage = oa.OpenAIUsage.of(prompt=7, completion=3, cached=4)
+    first = oa.OpenAIChunk(
         id="chatcmpl-1",
         object="chat.completion.chunk",
         created=5,
         model="demo",
-        choices=[p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""), finish_reason=None)],
+        choices=[oa.ChatChunkChoice(delta=oa.ChatDelta(role="assistant", content=""), finish_reason=None)],
     )
     assert sse_data(first.sse()) == {
         "id": "chatcmpl-1",
@@ -35,17 +39,17 @@ def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_f
         "model": "demo",
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
     }
-    later = p.ChatChunkChoice(delta=p.ChatDelta(content="hé"), finish_reason="stop")
+    later = oa.ChatChunkChoice(delta=oa.ChatDelta(content="hé"), finish_reason="stop")
     assert later.model_dump() == {"index": 0, "delta": {"content": "hé"}, "finish_reason": "stop"}
-    text = p.OpenAIChunk(
+    text = oa.OpenAIChunk(
         id="cmpl-1",
         object="text_completion",
         created=5,
         model="demo",
-        choices=[p.CompletionChunkChoice(text="x", finish_reason=None)],
+        choices=[oa.CompletionChunkChoice(text="x", finish_reason=None)],
     )
     assert "usage" not in sse_data(text.sse())
-    tail = p.OpenAIChunk(id="cmpl-1", object="text_completion", created=5, model="demo", choices=[], usage=usage)
+    tail = oa.OpenAIChunk(id="cmpl-1", object="text_completion", created=5, model="demo", choices=[], usage=usage)
     assert sse_data(tail.sse()) == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -61,7 +65,7 @@ def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_f
             "prompt_cache_miss_tokens": 3,
         },
     }
-    assert sse_data(p.OpenAIStreamError(error=p.OpenAIStreamErrorDetail(message="m", type="api_error")).sse()) == {
+    assert sse_data(oa.OpenAIStreamError(error=oa.OpenAIStreamErrorDetail(message="m", type="api_error")).sse()) == {
         "error": {"message": "m", "type": "api_error"}
     }
 
@@ -69,18 +73,18 @@ def test_openai_stream_chunks_leave_out_an_absent_usage_and_the_role_after_the_f
 def test_a_text_chunk_template_gives_the_event_the_models_give_for_any_text():
     def render(chat: bool, index: int, text: str) -> str:
         choice = (
-            p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text), finish_reason=None)
+            oa.ChatChunkChoice(index=index, delta=oa.ChatDelta(content=text), finish_reason=None)
             if chat
-            else p.CompletionChunkChoice(index=index, text=text, finish_reason=None)
+            else oa.CompletionChunkChoice(index=index, text=text, finish_reason=None)
         )
         obj = "chat.completion.chunk" if chat else "text_completion"
-        return p.OpenAIChunk(id='cmpl-"1', object=obj, created=5, model="dé/mo", choices=[choice]).sse()
+        return oa.OpenAIChunk(id='cmpl-"1', object=obj, created=5, model="dé/mo", choices=[choice]).sse()
 
     texts = ["", "hello", 'a "quote" and a \\ back', "new\nline\ttab\r\x00\x1f\x7f", "ünï 😀", "\u2028\u2029"]
-    texts.append(p.SseTemplate._MARK)  # the placeholder itself is just text once the template is made
+    texts.append(wire.SseTemplate._MARK)  # the placeholder itself is just text once the template is made
     for chat in (False, True):
         for index in (0, 3):
-            fill = p.SseTemplate(lambda text, chat=chat, index=index: render(chat, index, text))
+            fill = wire.SseTemplate(lambda text, chat=chat, index=index: render(chat, index, text))
             for text in texts:
                 event = fill(text)
                 assert event.startswith("data: ") and event.endswith("\n\n")
@@ -91,20 +95,20 @@ def test_a_text_chunk_template_gives_the_event_the_models_give_for_any_text():
 
 def test_a_template_needs_its_placeholder_exactly_once():
     with pytest.raises(ValueError):
-        p.SseTemplate(lambda text: "data: {}\n\n")
+        wire.SseTemplate(lambda text: "data: {}\n\n")
     with pytest.raises(ValueError):
         twice = lambda text: "data: [%s, %s]\n\n" % ((json.dumps(text, ensure_ascii=False),) * 2)  # noqa: E731
-        p.SseTemplate(twice)
+        wire.SseTemplate(twice)
 
 
 def test_openai_bodies_keep_their_nulls():
-    usage = p.OpenAIUsage.of(prompt=2, completion=1, cached=0)
-    chat = p.ChatCompletion(
+    usage = oa.OpenAIUsage.of(prompt=2, completion=1, cached=0)
+    chat = oa.ChatCompletion(
         id="c",
         created=1,
         model="demo",
         usage=usage,
-        choices=[p.ChatChoice(message=p.AssistantMessage(content="hi"), finish_reason="length")],
+        choices=[oa.ChatChoice(message=oa.AssistantMessage(content="hi"), finish_reason="length")],
     )
     assert json.loads(chat.model_dump_json()) == {
         "id": "c",
@@ -123,32 +127,32 @@ def test_openai_bodies_keep_their_nulls():
             "prompt_cache_miss_tokens": 2,
         },
     }
-    text = p.TextCompletion(
-        id="t", created=1, model="demo", usage=usage, choices=[p.CompletionChoice(text="hi", finish_reason="stop")]
+    text = oa.TextCompletion(
+        id="t", created=1, model="demo", usage=usage, choices=[oa.CompletionChoice(text="hi", finish_reason="stop")]
     )
     assert json.loads(text.model_dump_json())["choices"] == [
         {"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}
     ]
-    assert p.OpenAIModelList(data=[p.OpenAIModel(id="demo")]).model_dump() == {
+    assert oa.OpenAIModelList(data=[oa.OpenAIModel(id="demo")]).model_dump() == {
         "object": "list",
         "data": [{"id": "demo", "object": "model", "created": 0, "owned_by": "kvgrid"}],
     }
 
 
 def test_anthropic_events_are_named_by_their_type_and_carry_it():
-    usage = p.AnthropicUsage(
+    usage = an.AnthropicUsage(
         input_tokens=5,
         cache_creation_input_tokens=16,
         cache_read_input_tokens=32,
         output_tokens=0,
-        cache_creation=p.CacheCreation(ephemeral_1h_input_tokens=16),
+        cache_creation=an.CacheCreation(ephemeral_1h_input_tokens=16),
     )
-    start = p.MessageStart(
-        message=p.AnthropicMessageReply(
+    start = an.MessageStart(
+        message=an.AnthropicMessageReply(
             id="msg_1", model="demo", content=[], stop_reason=None, stop_sequence=None, usage=usage
         )
     )
-    event = p.anthropic_event(start)
+    event = an.anthropic_event(start)
     assert event.startswith("event: message_start\ndata: {")
     assert sse_data(event) == {
         "type": "message_start",
@@ -169,26 +173,26 @@ def test_anthropic_events_are_named_by_their_type_and_carry_it():
             },
         },
     }
-    assert sse_data(p.anthropic_event(p.ContentBlockStart(content_block=p.TextBlock(text="")))) == {
+    assert sse_data(an.anthropic_event(an.ContentBlockStart(content_block=an.TextBlock(text="")))) == {
         "type": "content_block_start",
         "index": 0,
         "content_block": {"type": "text", "text": ""},
     }
-    assert sse_data(p.anthropic_event(p.ContentBlockDelta(delta=p.TextDelta(text="a")))) == {
+    assert sse_data(an.anthropic_event(an.ContentBlockDelta(delta=an.TextDelta(text="a")))) == {
         "type": "content_block_delta",
         "index": 0,
         "delta": {"type": "text_delta", "text": "a"},
     }
-    assert sse_data(p.anthropic_event(p.ContentBlockStop())) == {"type": "content_block_stop", "index": 0}
-    delta = p.MessageDelta(delta=p.StopInfo(stop_reason="stop_sequence", stop_sequence="END"), usage=usage)
-    assert sse_data(p.anthropic_event(delta)) == {
+    assert sse_data(an.anthropic_event(an.ContentBlockStop())) == {"type": "content_block_stop", "index": 0}
+    delta = an.MessageDelta(delta=an.StopInfo(stop_reason="stop_sequence", stop_sequence="END"), usage=usage)
+    assert sse_data(an.anthropic_event(delta)) == {
         "type": "message_delta",
         "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
         "usage": usage.model_dump(),
     }
-    assert p.anthropic_event(p.MessageStop()) == 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
-    error = p.AnthropicError(error=p.AnthropicErrorDetail(type="overloaded_error", message="m"))
-    assert sse_data(p.anthropic_event(error)) == {
+    assert an.anthropic_event(an.MessageStop()) == 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    error = an.AnthropicError(error=an.AnthropicErrorDetail(type="overloaded_error", message="m"))
+    assert sse_data(an.anthropic_event(error)) == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "m"},
     }
@@ -220,7 +224,7 @@ def test_a_cached_content_reply_shows_no_token_ids():
     from router.gateway.store import CachedContent
 
     cc = CachedContent("cachedContents/abc", "acme", {"text": "doc"}, [1, 2, 3], 0.5, 3600.25)
-    assert json.loads(p.CachedContentList(cachedContents=[cc.public()]).model_dump_json()) == {
+    assert json.loads(gm.CachedContentList(cachedContents=[cc.public()]).model_dump_json()) == {
         "cachedContents": [
             {
                 "name": "cachedContents/abc",

@@ -89,7 +89,7 @@ def test_concurrent_requests_on_one_subscription_equal_one_by_one_and_arrive_bat
 
 def test_a_group_killed_mid_stream_fails_every_subscribed_request_and_a_restart_subscribes_anew(ray_local, demo_path):
     from common.errors import GroupUnhealthyError
-    from router.gateway.core import GroupFailed, group_failure
+    from router.gateway.errors import GroupFailed, group_failure
     from worker.group import GroupConfig, WorkerGroup
 
     g = WorkerGroup(GroupConfig("g-die", EngineConfig(model=str(demo_path), device="cpu", kv_cache_bytes=2**25)))

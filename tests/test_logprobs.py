@@ -9,7 +9,7 @@ import torch
 
 from common.sampling import SamplingParams
 from harness import ACME_KEY, oa
-from router.gateway.openai_api import TokenTexts, _byte_chars
+from router.gateway.openai.serving import TokenTexts, _byte_chars
 from worker.engine import Engine, EngineConfig
 
 TOL = 1e-4

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.config import MonitoringConfig
 from common.outputs import Timings
 from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, TEST_DEFAULTS, TWO_TENANTS, free_port, serving, wait_for
-from router.gateway.core import _Metrics
 from router.gateway.monitoring import Alert
 from router.gateway.replica_metrics import (
     REPLICAS_KEY,
@@ -37,6 +36,7 @@ from router.gateway.replica_metrics import (
     tenant_extras,
 )
 from router.gateway.store import StoreUnavailable
+from router.gateway.tenant_metrics import TenantMetrics
 
 REQUESTS = 20
 SCRAPES = 20
@@ -56,8 +56,8 @@ def _value(samples: dict, name: str, **labels: str) -> float:
     return sum(v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= set(lbl))
 
 
-def _metrics(tenant: str = "acme", n: int = 0, cached: int = 0, drop: Alert | None = None) -> _Metrics:
-    m = _Metrics(tenant, 16, MonitoringConfig(drop_alerts=False), model_name="demo")
+def _metrics(tenant: str = "acme", n: int = 0, cached: int = 0, drop: Alert | None = None) -> TenantMetrics:
+    m = TenantMetrics(tenant, 16, MonitoringConfig(drop_alerts=False), model_name="demo")
     m.clock = lambda: 1000.0
     for _ in range(n):
         m.record(100, cached, 10, 0, cached)
@@ -68,7 +68,7 @@ def _metrics(tenant: str = "acme", n: int = 0, cached: int = 0, drop: Alert | No
     return m
 
 
-def _source(m: _Metrics) -> Source:
+def _source(m: TenantMetrics) -> Source:
     return Source(m.registry, lambda: tenant_extras(m))
 
 

@@ -106,9 +106,9 @@ def test_share_windows_and_request_timing():
     assert t.ttft == pytest.approx(0.5) and t.gaps == pytest.approx([0.1, 0.1]) and t.e2e == pytest.approx(1.0)
     # monitoring: {drop_alerts: false}: no alarm, the windows still count.
     from common.config import MonitoringConfig
-    from router.gateway.core import _Metrics
+    from router.gateway.tenant_metrics import TenantMetrics
 
-    m = _Metrics("acme", BLOCK, MonitoringConfig(drop_alerts=False))
+    m = TenantMetrics("acme", BLOCK, MonitoringConfig(drop_alerts=False))
     assert m.alarm is None and m.record(100, 50, 1, 0, 50, now=5.0) is None and m.windows.share(5.0, 60) == 0.5
 
 
@@ -150,13 +150,13 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
             end = traffic.now + seconds
             while traffic.now < end:
                 _, prompt, cached = traffic.step()
-                gw.account(t, _out(prompt, cached), 0, cached)
+                gw.accounting.account(t, _out(prompt, cached), 0, cached)
 
         feed(600)
         traffic.change_prefix(21 * BLOCK)
-        with caplog.at_level(logging.WARNING, logger="router.gateway.core"):
+        with caplog.at_level(logging.WARNING, logger="router.gateway.accounting"):
             feed(90)
-        await asyncio.gather(*gw._background)  # the background write of the alert has landed
+        await asyncio.gather(*gw.accounting._background)  # the background write of the alert has landed
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
             alerts = (await client.get("/admin/v1/alerts", headers={"x-api-key": ADMIN_KEY})).json()
             denied = (await client.get("/admin/v1/alerts", headers={"x-api-key": ACME_KEY})).status_code

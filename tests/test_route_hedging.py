@@ -1,6 +1,6 @@
-"""The gateway's hedged routing (``Gateway._route``) against router replicas that answer late, never, or fail:
-the first decision wins, every other replica asked cancels the route, and a slow replica is asked last after;
-at most one hedge per request, within a budget."""
+"""The gateway's hedged routing (``RouterPool.route``, router/gateway/router_pool.py) against router replicas that
+answer late, never, or fail: the first decision wins, every other replica asked cancels the route, and a slow
+replica is asked last after; at most one hedge per request, within a budget."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from common.errors import NoGroup, Overloaded
 from router.clients import RouterClient
-from router.gateway.core import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, ApiError, Gateway, HedgeBudget
+from router.gateway.errors import ApiError
+from router.gateway.router_pool import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, HedgeBudget, RouterPool
 
 ATTEMPT = "acme-0123-0"
 
 
 class Replica:
-    """What ``_route`` uses of a router replica's actor handle: ``route.remote`` decides after ``delay_s``
+    """What ``route`` uses of a router replica's actor handle: ``route.remote`` decides after ``delay_s``
     (never when None; when ``gate`` is set, once it is set) or fails with ``error``; the request ids of
     ``cancel_route.remote`` (``forgot``) and ``on_finish.remote`` (``finished``) are recorded."""
 
@@ -60,19 +61,17 @@ def RouterError(cause: Exception) -> RayError:  # noqa: N802 (stands for the cla
     return RayTaskError("route", "Traceback (router replica)", cause).as_instanceof_cause()
 
 
-def gateway(*replicas: Replica, budget: HedgeBudget | None = None) -> SimpleNamespace:
-    """The gateway state ``_route`` reads; the first replica is asked first."""
-    return SimpleNamespace(
-        routers=[RouterClient(r) for r in replicas],
-        _next_router=len(replicas) - 1,
-        _router_failed_at=[-math.inf] * len(replicas),
-        _hedges=budget or HedgeBudget(),
-    )
+def gateway(*replicas: Replica, budget: HedgeBudget | None = None) -> RouterPool:
+    """A gateway's pool of ``replicas``; the first replica is asked first."""
+    pool = RouterPool([RouterClient(r) for r in replicas])
+    pool._next_router = len(replicas) - 1
+    pool._hedges = budget or HedgeBudget()
+    return pool
 
 
 async def route(gw, attempt: str = ATTEMPT):
     started = time.monotonic()
-    router, decision = await Gateway._route(gw, SimpleNamespace(name="acme"), [1, 2, 3], attempt, [], "openai")
+    router, decision = await gw.route("acme", [1, 2, 3], attempt, [], "openai")
     return router, decision, time.monotonic() - started
 
 
@@ -236,7 +235,7 @@ def test_an_overload_with_no_decision_answers_429():
 
 
 def test_request_events_reach_each_replica_in_order_in_one_call_per_interval():
-    from router.gateway.core import RouterReports
+    from router.gateway.router_pool import RouterReports
 
     calls: dict[str, list[list[tuple[str, str]]]] = {"a": [], "b": []}
     a, b = (RouterClient(SimpleNamespace(report=SimpleNamespace(remote=calls[n].append))) for n in "ab")
@@ -263,7 +262,7 @@ def test_each_replica_asked_gets_the_requests_own_n_whatever_the_number_of_repli
 
     async def scenario():
         for n in (1, 4):
-            await Gateway._route(gw, SimpleNamespace(name="acme"), [1, 2, 3], f"acme-{n}-0", [], "openai", n=n)
+            await gw.route("acme", [1, 2, 3], f"acme-{n}-0", [], "openai", n=n)
         # the request's n, never the replica count (it once was: a request counted as 3 running)
         seen = slow.choices + fast.choices + third.choices
         assert set(seen) == {1, 4}

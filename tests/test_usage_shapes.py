@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from harness import GLOBEX_KEY, an, chat, oa
-from router.gateway.anthropic_api import Claim
+from router.gateway.anthropic.serving import Claim
 from router.gateway.economics import Prices, request_cost
 
 WORDS = "north south river field stone amber quiet harbor lamp cedar frost ember willow".split()

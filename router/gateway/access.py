@@ -4,8 +4,8 @@ APIs, the admin API, the health probes).
 Every response carries ``X-Request-Id``: the client's own when it sent a sane one (1-128 printable ASCII characters,
 no spaces), else a new one (a uuid4 in hex). While the request is served the id is ``common.logs.REQUEST_ID`` (every
 record logged meanwhile carries it) and the request's ``Access`` record is ``ACCESS``: the gateway fills in the
-tenant and model once the key is accepted (``Gateway.auth``), the token counts once the usage is accounted
-(``Gateway.account``) and the time to the first token (``Gateway.generate``).
+tenant and model once the key is accepted (``Admission.auth``), the token counts once the usage is accounted
+(``Accounting.account``) and the time to the first token (``Generation.generate``).
 
 When the response has ended, one record goes to the logger ``kvgrid.access`` (``logging.access_log``, on by
 default): request id, method, path (the tenant's name is in it; never the query string, which may hold a Gemini

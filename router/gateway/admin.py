@@ -32,9 +32,9 @@ from ray.exceptions import RayActorError, RayError
 from common.errors import remote_cause
 from router.clients import RouterClient, SupervisorClient
 from router.gateway.health import Health
-from router.gateway.protocol import BodyError, parse_body
 from router.gateway.routes import Routes
 from router.gateway.store import KeyRing, presented_key
+from router.gateway.wire import BodyError, parse_body
 from worker.group_client import GroupClient
 
 CALL_TIMEOUT_S = 30.0  # reads of the supervisor, routers and groups

@@ -13,7 +13,7 @@ from typing import TypeVar
 import redis
 import redis.asyncio
 
-from router.gateway.protocol import CachedContentReply, UsageMetadata
+from router.gateway.gemini.protocol import CachedContentReply, UsageMetadata
 from router.gateway.store_base import LimitExceeded, _Backed, _ms
 
 log = logging.getLogger(__name__)

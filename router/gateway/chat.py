@@ -43,14 +43,25 @@ class ChatTemplateError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatSource:
+    """What a chat prompt was rendered from: the request's messages, whether a generation prompt was added, and
+    its tools (the cache advisor's sample keeps them)."""
+
+    messages: list[dict[str, Any]]
+    generation: bool
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
 class ChatPrompt:
-    """A rendered chat: its text, its token ids, the character span of each token in ``text``, and the character
-    span of each message's content (by message index; ``None`` for one the template left out)."""
+    """A rendered chat: its text, its token ids, the character span of each token in ``text``, the character span
+    of each message's content (by message index; ``None`` for one the template left out), and its ``source``."""
 
     text: str
     token_ids: list[int]
     offsets: list[tuple[int, int]]
     content_spans: list[tuple[int, int] | None]
+    source: ChatSource | None = None
 
     def find(self, message: int, piece: str, after: int = 0) -> int | None:
         """Where ``piece`` (text of message ``message``'s content) ends in ``text``: searched from where that
@@ -312,7 +323,7 @@ def encode_chat(
 ) -> ChatPrompt:
     """Render ``messages`` with the tokenizer's chat template and tokenise the result so that special tokens come
     only from the template, never from a message's text. Raises ``ChatTemplateError`` when the template refuses the
-    messages. The one way any API turns messages into a prompt (the gateway's ``chat``).
+    messages. The one way any API turns messages into a prompt (``Prompts.chat``, router/gateway/prompts.py).
 
     ``tools``: the function definitions the template renders (transformers' ``tools=``: OpenAI's
     ``{"type": "function", "function": {...}}`` shape). An assistant message may carry ``tool_calls`` (OpenAI's
@@ -322,8 +333,9 @@ def encode_chat(
 
     ``marks``: when given, ``time.time_ns()`` once the template is rendered is appended to it (the gateway's
     ``template`` and ``tokenize`` spans, router/gateway/tracing.py)."""
-    shown, tools, first, own = _tools_as_text(tokenizer, messages, tools)
-    text, placed = _render(tokenizer, shown, add_generation_prompt, tools)
+    source = ChatSource(messages, add_generation_prompt, tools)
+    shown, rendered_tools, first, own = _tools_as_text(tokenizer, messages, tools)
+    text, placed = _render(tokenizer, shown, add_generation_prompt, rendered_tools)
     if marks is not None:
         marks.append(time.time_ns())
     by_message: list[tuple[int, int] | None] = [None] * len(messages)
@@ -334,8 +346,8 @@ def encode_chat(
             by_message[i] = span if mine is None else _own_span(text, shown[k]["content"], span, mine)
     ids, offsets = _encode(tokenizer, text, plain_text=False)
     regions = sorted({span for _, span in placed if span[0] < span[1]})
-    if tools or any(m.get("tool_calls") for m in shown):
-        regions = _merge(regions + _json_regions(tokenizer, text, _json_texts(tools, shown)))
+    if rendered_tools or any(m.get("tool_calls") for m in shown):
+        regions = _merge(regions + _json_regions(tokenizer, text, _json_texts(rendered_tools, shown)))
     starts = [a for a, _ in regions]
     special = _special_ids(tokenizer)
 
@@ -346,7 +358,7 @@ def encode_chat(
         return k + 1 < len(regions) and regions[k + 1][0] < end
 
     if not any(t in special and in_content(*o) for t, o in zip(ids, offsets)):
-        return ChatPrompt(text, ids, offsets, by_message)
+        return ChatPrompt(text, ids, offsets, by_message, source)
     ids, offsets, pos = [], [], 0
     for region in [*regions, (len(text), len(text))]:
         for lo, hi, plain in ((pos, region[0], False), (region[0], region[1], True)):
@@ -355,4 +367,4 @@ def encode_chat(
                 ids += part_ids
                 offsets += [(lo + a, lo + b) for a, b in part_offsets]
         pos = region[1]
-    return ChatPrompt(text, ids, offsets, by_message)
+    return ChatPrompt(text, ids, offsets, by_message, source)

@@ -24,7 +24,7 @@ Admission of requests is no longer by sockets: ``http.max_ongoing_requests`` cap
 response has not completed (503 with ``Retry-After`` past it; uvicorn's ``limit_concurrency``, which counted
 connections, is off). A request without a valid key is answered 401 before its body is read, so it holds a place
 no longer than that; tenants have their own ``limits.max_inflight_requests`` per replica (core.py
-``Gateway.held``)."""
+``Admission.held``)."""
 
 from __future__ import annotations
 

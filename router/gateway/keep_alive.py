@@ -83,7 +83,7 @@ class _KeptMetrics(Protocol):
 
 
 class KeptTenant(Protocol):
-    """What the keep-alive service uses of a gateway's tenant (router/gateway/core.py ``Tenant``)."""
+    """What the keep-alive service uses of a gateway's tenant (router/gateway/tenants.py ``Tenant``)."""
 
     @property
     def name(self) -> str: ...

@@ -227,9 +227,9 @@ class _Fixed:
 
 
 def tenant_extras(m: Any) -> dict[Key, float]:
-    """What the merge of a tenant's gauges needs besides their values (router/gateway/core.py ``_Metrics``): each
-    window's cached and prompt tokens (``kvgrid_prefix_hit_rate_window``), and the time of the replica's last
-    alert (``kvgrid_hit_rate_drop_block``)."""
+    """What the merge of a tenant's gauges needs besides their values (``TenantMetrics``,
+    router/gateway/tenant_metrics.py): each window's cached and prompt tokens (``kvgrid_prefix_hit_rate_window``),
+    and the time of the replica's last alert (``kvgrid_hit_rate_drop_block``)."""
     base = (("tenant", m.tenant), ("model_name", m.model_name))
     now = m.clock()
     out: dict[Key, float] = {}

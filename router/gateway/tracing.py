@@ -6,9 +6,9 @@ One trace per request, exported over OTLP/HTTP by each gateway replica (a provid
 global one):
 
     POST /{tenant}/v1/chat/completions   the root span (SERVER): the HTTP request, from its head to its last byte
-      auth                               the key check (Gateway.auth)
-      template                           the chat template rendered (Gateway.chat)
-      tokenize                           its text tokenized (a completion's prompt too: Gateway.encode_text)
+      auth                               the key check (Admission.auth)
+      template                           the chat template rendered (Prompts.chat)
+      tokenize                           its text tokenized (a completion's prompt too: Prompts.encode_text)
       route                              a router replica's decision: the group, the blocks it holds per tier
       queue                              the request waiting in the group's engine until first scheduled
       prefill                            its prompt computed (cached and computed tokens), up to the first token
@@ -155,7 +155,7 @@ class RequestTrace:
             span.end()
 
     def chat_spans(self, marks: list[int], prompt_tokens: int | None) -> None:
-        """``template`` and ``tokenize`` from the marks ``Gateway.chat`` took (start, template rendered, tokenized);
+        """``template`` and ``tokenize`` from the marks ``Prompts.chat`` took (start, template rendered, tokenized);
         a template that failed has only its start: ``template`` ends now."""
         now = time.time_ns()
         rendered = marks[1] if len(marks) > 1 else now

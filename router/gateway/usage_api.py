@@ -17,10 +17,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from router.gateway import advisor, keep_alive
-from router.gateway.core import Gateway, Tenant, err
+from router.gateway.core import Gateway
 from router.gateway.economics import Prices, dollars, summary
+from router.gateway.errors import err
 from router.gateway.routes import Routes
 from router.gateway.store import StoreUnavailable, presented_key
+from router.gateway.tenants import Tenant
 
 API = "openai"
 routes = Routes()  # bound to one UsageApi by create_app
@@ -35,12 +37,12 @@ class UsageApi:
 
     @routes.get("/{tenant}/v1/usage")
     async def usage(self, tenant: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
+        t = self.gw.admission.auth(tenant, request, API)
         return await self.usage_of(t)
 
     @routes.get("/{tenant}/v1/cache/advice")
     async def advice(self, tenant: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
+        t = self.gw.admission.auth(tenant, request, API)
         sample = t.config.advice.sample
         if not sample:
             raise err(
@@ -49,13 +51,15 @@ class UsageApi:
                 API,
             )
         rows = await self.gw.samples.recent(t.name)
-        report = await self.gw.compute(t, self._advise, t, rows)  # seconds for a large sample: off the event loop
+        report = await self.gw.prompts.compute(
+            t, self._advise, t, rows
+        )  # seconds for a large sample: off the event loop
         return {"tenant": t.name, "sampled": len(rows), "sample_limit": sample, **report}
 
     def _advise(self, t: Tenant, rows: list[dict]) -> dict:
         explicit = t.config.cache.mode == "explicit"
         return advisor.advise(
-            [advisor.view_of_sample(row, self.gw.thread_tokenizer()) for row in rows],
+            [advisor.view_of_sample(row, self.gw.prompts.thread_tokenizer()) for row in rows],
             block_size=self.gw.config.block_size,
             prices=t.prices,
             explicit=explicit,

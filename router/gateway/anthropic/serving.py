@@ -1,8 +1,8 @@
 """The Anthropic-compatible Messages API of every tenant: ``/{tenant}/v1/messages``, whole or streamed (its event
 stream), with ``cache_control`` breakpoints: the prompt up to each marked block is pinned on its group for the
 block's TTL, and usage reports what was read from the cache and what was written to it. Its bodies are the
-models of router/gateway/protocol.py; admission, routing and accounting are the ``Gateway``'s
-(router/gateway/core.py)."""
+models of router/gateway/anthropic/protocol.py; admission, prompts, generation and accounting are the
+``Gateway``'s parts (router/gateway/core.py)."""
 
 # No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
 
@@ -16,9 +16,7 @@ from fastapi import Request
 
 from common.defaults import FIVE_MINUTES_S  # a write for longer counts as a one-hour one in usage.cache_creation
 from common.outputs import RequestOutput
-from router.gateway.chat import ChatPrompt, special_texts
-from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
-from router.gateway.protocol import (
+from router.gateway.anthropic.protocol import (
     AnthropicError,
     AnthropicErrorDetail,
     AnthropicMessageReply,
@@ -44,7 +42,13 @@ from router.gateway.protocol import (
     ToolUseBlockIn,
     anthropic_event,
 )
+from router.gateway.chat import ChatPrompt, special_texts
+from router.gateway.core import Gateway
+from router.gateway.errors import ApiError, err
+from router.gateway.generation import GenerateRequest
 from router.gateway.routes import Routes
+from router.gateway.runs import Run, last, primed, watched
+from router.gateway.tenants import SlotStream, Tenant
 from router.gateway.tools import Call, CallStream, Tooling, anthropic_tooling, parse_calls
 
 API = "anthropic"
@@ -124,41 +128,41 @@ class AnthropicApi:
 
     @routes.post("/{tenant}/v1/messages")
     async def messages(self, tenant: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._messages(t, request))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._messages(t, request))
 
     @routes.post("/{tenant}/v1/messages/count_tokens")
     async def count_tokens(self, tenant: str, request: Request):
         """The prompt tokens a messages request with this body would have (system, tools, messages and any
         cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``. A request
         like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._count_tokens(t, request))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._count_tokens(t, request))
 
     async def _count_tokens(self, t: Tenant, request: Request):
         gw = self.gw
-        await gw.admit_request(t, API)
-        body: CountTokensBody = await gw.body(request, CountTokensBody, API)
-        gw.check_model(body.model, API)
+        await gw.admission.admit_request(t, API)
+        body: CountTokensBody = await gw.admission.body(request, CountTokensBody, API)
+        gw.admission.check_model(body.model, API)
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
-        prefix, _ = await gw.cached_prefix(t, body.cached_content, API)
+        prefix, _ = await gw.prompts.cached_prefix(t, body.cached_content, API)
         chat, _ = await self._prompt(t, body)
-        gw.check_size(t, len(prefix) + len(chat.token_ids), 0, API)
+        gw.admission.check_size(t, len(prefix) + len(chat.token_ids), 0, API)
         return TokenCount(input_tokens=len(prefix) + len(chat.token_ids))
 
     async def _messages(self, t: Tenant, request: Request):
         gw = self.gw
-        body: MessagesRequest = await gw.body(request, MessagesRequest, API)
-        gw.check_model(body.model, API)
+        body: MessagesRequest = await gw.admission.body(request, MessagesRequest, API)
+        gw.admission.check_model(body.model, API)
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
-        prefix, cc_ttl = await gw.cached_prefix(t, body.cached_content, API)
+        prefix, cc_ttl = await gw.prompts.cached_prefix(t, body.cached_content, API)
         tooling = await self._tooling(t, body)
         chat, marks = await self._prompt(t, body, tooling)
         prompt = prefix + chat.token_ids
-        gw.check_context(prompt, body.max_tokens, "max_tokens", API)
-        await gw.admit(t, prompt, body.max_tokens, API)
+        gw.admission.check_context(prompt, body.max_tokens, "max_tokens", API)
+        await gw.admission.admit(t, prompt, body.max_tokens, API, chat)
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
         bs = gw.config.block_size
         ttl_at: dict[int, float] = {}
@@ -179,7 +183,7 @@ class AnthropicApi:
                 break
         claim_write = max(0, pin_tokens - claim_read) if entries else 0
         claim = Claim(claim_write, claim_read, ttl_at, pin_ttl)
-        params = gw.params(
+        params = gw.prompts.params(
             body.max_tokens,
             body.temperature,
             body.top_p,
@@ -194,20 +198,21 @@ class AnthropicApi:
         def account(out: RequestOutput, predicted: int) -> None:
             usage = self._usage(t, out, claim)
             r, w = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
-            gw.account(t, out, predicted, r, w, r, write_segments=claim.segments(claim.start(out), w))
+            gw.accounting.account(t, out, predicted, r, w, r, write_segments=claim.segments(claim.start(out), w))
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
-                    writes.append(gw.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
+                    writes.append(gw.accounting.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
                 writes.extend(gw.keep_alive.used(t, prompt, entries, ttl_at, alive))  # reuse for keep_alive: auto
 
-        run = gw.generate(t, prompt, params, API, pin_tokens, pin_ttl, account, not body.stream)
+        req = GenerateRequest(t, prompt, params, API, pin_tokens, pin_ttl, account, restartable=not body.stream)
+        run = gw.generation.generate(req)
         run = watched(request, run, API)
         mid = "msg_" + secrets.token_hex(12)
         if body.stream:
             run = await primed(run)
             return SlotStream(self._stream(t, run, mid, claim, writes, tooling if tooling.parse else None))
         out, _ = await last(run)
-        await gw.settle(writes)
+        await gw.accounting.settle(writes)
         content: list[TextBlock | ToolUseBlock] = [TextBlock(text=out.text)]
         reason = _stop_reason(out)
         if tooling.parse:
@@ -220,9 +225,9 @@ class AnthropicApi:
         return self._reply(mid, content, reason, _stop_sequence(out), self._usage(t, out, claim))
 
     async def _tooling(self, t: Tenant, body: MessagesRequest) -> Tooling:
-        specials = special_texts(self.gw.tokenizer)
+        specials = special_texts(self.gw.prompts.tokenizer)
         try:  # the tools' schemas are compiled to check them: off the event loop
-            return await self.gw.compute(t, anthropic_tooling, body, specials, inline=not body.tools)
+            return await self.gw.prompts.compute(t, anthropic_tooling, body, specials, inline=not body.tools)
         except ValueError as exc:
             raise err(400, str(exc), API) from None
 
@@ -253,7 +258,7 @@ class AnthropicApi:
         marked: list[tuple[int, str, float]] = []  # (message index, text, ttl); index -1: a tool definition
 
         def ttl(cc: CacheControl, field: str = "cache_control.ttl") -> float:
-            return self.gw.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, field, API)
+            return self.gw.admission.ttl(cc.ttl, t.config.cache.default_ttl, MAX_PIN_TTL_S, field, API)
 
         shortest: tuple[float, str] | None = None  # Anthropic's rule: longer TTLs come before shorter ones
         for where, cc, text in _breakpoints(body):
@@ -307,7 +312,7 @@ class AnthropicApi:
             )
         if len(marked) > MAX_BREAKPOINTS:
             raise err(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed", API)
-        chat = await self.gw.chat(t, messages, API, tools=tooling.template)
+        chat = await self.gw.prompts.chat(t, messages, API, tools=tooling.template)
         marks, pos = [], 0
         for idx, piece, seconds in marked:
             if idx < 0:  # a tool definition: where the template put its JSON
@@ -327,7 +332,7 @@ class AnthropicApi:
         write, as far as the group could pin it, split by the TTL it was written for (``cache_creation``)."""
         n_prompt = len(out.prompt_token_ids)
         if not claim.write and not claim.read:  # no breakpoint: implicit reuse, reported per the tenant's policy
-            read, write, start = self.gw.reported_cached(t, out.num_cached_tokens), 0, 0
+            read, write, start = self.gw.accounting.reported_cached(t, out.num_cached_tokens), 0, 0
         else:
             read = start = claim.start(out)
             write = min(claim.read + claim.write - read, max(0, out.num_pinned_tokens - read))
@@ -410,7 +415,7 @@ class AnthropicApi:
                         usage=self._usage(t, out, claim),
                     )
                 )
-                await self.gw.settle(writes)  # the run ended, so its entry writes have started
+                await self.gw.accounting.settle(writes)  # the run ended, so its entry writes have started
                 yield anthropic_event(MessageStop())
         except ApiError as exc:
             yield anthropic_event(AnthropicError(error=AnthropicErrorDetail(type=exc.kind, message=exc.message)))

@@ -13,7 +13,7 @@ path as the base URL, its key in ``x-goog-api-key``):
 A cached content holds a system instruction and contents; a ``generateContent`` that names it in
 ``cachedContent`` starts with its tokens, so the group that pinned them reuses them, and
 ``usageMetadata.cachedContentTokenCount`` is what the group actually reused (left out when nothing was). The
-objects are the tenant's cached contents of router/gateway/cached_contents.py (the same store and limits), in
+objects are the tenant's cached contents of router/gateway/gemini/cached_contents.py (one store, limits and code), in
 Gemini's shape. Errors are Gemini's (``{"error": {"code", "message", "status"}}``).
 
 What the engine does not do is refused by name (400) rather than ignored: ``tools``, ``toolConfig``, a
@@ -33,9 +33,11 @@ from fastapi.responses import JSONResponse
 from common.defaults import DEFAULT_PIN_TTL_S
 from common.outputs import FinishReason, RequestOutput
 from common.sampling import SamplingParams
-from router.gateway.cached_contents import MAX_CACHED_CONTENT_TTL_S, create_content, renew_content
-from router.gateway.core import ApiError, Gateway, Run, SlotStream, Tenant, err, last, primed, watched
-from router.gateway.protocol import (
+from router.gateway.chat import ChatPrompt
+from router.gateway.core import Gateway
+from router.gateway.errors import ApiError, err
+from router.gateway.gemini.cached_contents import MAX_CACHED_CONTENT_TTL_S, create_content, renew_content
+from router.gateway.gemini.protocol import (
     CountTokensReply,
     CountTokensRequest,
     GeminiCachedContentList,
@@ -52,8 +54,11 @@ from router.gateway.protocol import (
     GenerateContentRequest,
     UsageMetadata,
 )
+from router.gateway.generation import GenerateRequest
 from router.gateway.routes import Routes
+from router.gateway.runs import Run, last, primed, watched
 from router.gateway.store import CachedContent, rfc3339
+from router.gateway.tenants import SlotStream, Tenant
 
 API = "gemini"
 DEFAULT_MAX_OUTPUT_TOKENS = 256
@@ -121,7 +126,7 @@ def _lifetime(gw: Gateway, t: Tenant, ttl: str | None, expire_time: str | None) 
         if not 1.0 <= seconds <= MAX_CACHED_CONTENT_TTL_S:
             raise err(400, f"expireTime must be between 1s and {MAX_CACHED_CONTENT_TTL_S:.0f}s from now", API)
         return seconds
-    return gw.ttl(ttl, t.config.cache.default_ttl, MAX_CACHED_CONTENT_TTL_S, "ttl", API)
+    return gw.admission.ttl(ttl, t.config.cache.default_ttl, MAX_CACHED_CONTENT_TTL_S, "ttl", API)
 
 
 class GeminiApi:
@@ -142,42 +147,44 @@ class GeminiApi:
 
     @routes.get("/{tenant}/v1beta/models")
     async def list_models(self, tenant: str, request: Request):
-        self.gw.auth(tenant, request, API)
+        self.gw.admission.auth(tenant, request, API)
         return JSONResponse({"models": [self._model()]})
 
     @routes.get("/{tenant}/v1beta/models/{model}")
     async def get_model(self, tenant: str, model: str, request: Request):
-        self.gw.auth(tenant, request, API)
-        self.gw.check_model(model, API)
+        self.gw.admission.auth(tenant, request, API)
+        self.gw.admission.check_model(model, API)
         return JSONResponse(self._model())
 
     # -- generateContent ----------------------------------------------------------------------------------------
 
     @routes.post("/{tenant}/v1beta/models/{model}:generateContent")
     async def generate_content(self, tenant: str, model: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._generate(t, model, request, stream=False))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._generate(t, model, request, stream=False))
 
     @routes.post("/{tenant}/v1beta/models/{model}:streamGenerateContent")
     async def stream_generate_content(self, tenant: str, model: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._generate(t, model, request, stream=True))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._generate(t, model, request, stream=True))
 
-    async def _prompt(self, t: Tenant, model: str, body: GenerateContentRequest) -> tuple[list[int], int, float]:
-        """The request's prompt tokens, how many of them are its cached content's, and that content's TTL left."""
+    async def _prompt(
+        self, t: Tenant, model: str, body: GenerateContentRequest
+    ) -> tuple[list[int], int, float, ChatPrompt]:
+        """The request's prompt tokens, how many of them are its cached content's, that content's TTL left, and
+        the rendered chat after it."""
         gw = self.gw
-        gw.check_model(model, API)
+        gw.admission.check_model(model, API)
         _refuse_unsupported(body)
         _check_config(body.generationConfig)
         if body.cachedContent is not None and body.systemInstruction is not None:
             raise err(400, "systemInstruction: a request with cachedContent takes the cached content's", API)
-        prefix, ttl = await gw.cached_prefix(t, body.cachedContent, API)
-        chat = await gw.chat(t, _messages(body.contents, body.systemInstruction, "contents"), API)
-        prompt = prefix + chat.token_ids
-        return prompt, len(prefix), ttl
+        prefix, ttl = await gw.prompts.cached_prefix(t, body.cachedContent, API)
+        chat = await gw.prompts.chat(t, _messages(body.contents, body.systemInstruction, "contents"), API)
+        return prefix + chat.token_ids, len(prefix), ttl, chat
 
     def _params(self, g: GeminiGenerationConfig) -> SamplingParams:
-        return self.gw.params(
+        return self.gw.prompts.params(
             g.maxOutputTokens or DEFAULT_MAX_OUTPUT_TOKENS,
             1.0 if g.temperature is None else g.temperature,
             1.0 if g.topP is None else g.topP,
@@ -189,17 +196,18 @@ class GeminiApi:
 
     async def _generate(self, t: Tenant, model: str, request: Request, stream: bool):
         gw = self.gw
-        body: GenerateContentRequest = await gw.body(request, GenerateContentRequest, API)
-        prompt, pin, ttl = await self._prompt(t, model, body)
+        body: GenerateContentRequest = await gw.admission.body(request, GenerateContentRequest, API)
+        prompt, pin, ttl, chat = await self._prompt(t, model, body)
         params = self._params(body.generationConfig)
         if body.generationConfig.maxOutputTokens is not None:  # asked for: refused if it does not fit
-            gw.check_context(prompt, params.max_tokens, "generationConfig.maxOutputTokens", API)
-        await gw.admit(t, prompt, params.max_tokens, API)
+            gw.admission.check_context(prompt, params.max_tokens, "generationConfig.maxOutputTokens", API)
+        await gw.admission.admit(t, prompt, params.max_tokens, API, chat)
 
         def account(out: RequestOutput, predicted: int) -> None:
-            gw.account(t, out, predicted, gw.reported_cached(t, out.num_cached_tokens))
+            gw.accounting.account(t, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
 
-        run = gw.generate(t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, not stream)
+        req = GenerateRequest(t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, restartable=not stream)
+        run = gw.generation.generate(req)
         run = watched(request, run, API)
         rid = secrets.token_hex(12)
         if stream:
@@ -210,7 +218,7 @@ class GeminiApi:
 
     def _usage(self, t: Tenant, out: RequestOutput) -> GeminiUsage:
         n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-        cached = self.gw.reported_cached(t, out.num_cached_tokens)
+        cached = self.gw.accounting.reported_cached(t, out.num_cached_tokens)
         return GeminiUsage(
             promptTokenCount=n_prompt,
             candidatesTokenCount=n_out,
@@ -244,21 +252,21 @@ class GeminiApi:
     @routes.post("/{tenant}/v1beta/models/{model}:countTokens")
     async def count_tokens(self, tenant: str, model: str, request: Request):
         """A request like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._count_tokens(t, model, request))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._count_tokens(t, model, request))
 
     async def _count_tokens(self, t: Tenant, model: str, request: Request):
         gw = self.gw
-        await gw.admit_request(t, API)
-        body: CountTokensRequest = await gw.body(request, CountTokensRequest, API)
+        await gw.admission.admit_request(t, API)
+        body: CountTokensRequest = await gw.admission.body(request, CountTokensRequest, API)
         if body.generateContentRequest is not None:
-            prompt, cached, _ = await self._prompt(t, model, body.generateContentRequest)
+            prompt, cached, _, _ = await self._prompt(t, model, body.generateContentRequest)
         elif body.contents:
-            gw.check_model(model, API)
-            prompt, cached = (await gw.chat(t, _messages(body.contents, None, "contents"), API)).token_ids, 0
+            gw.admission.check_model(model, API)
+            prompt, cached = (await gw.prompts.chat(t, _messages(body.contents, None, "contents"), API)).token_ids, 0
         else:
             raise err(400, "contents: give contents or a generateContentRequest to count", API)
-        gw.check_size(t, len(prompt), 0, API)
+        gw.admission.check_size(t, len(prompt), 0, API)
         return CountTokensReply(totalTokens=len(prompt), cachedContentTokenCount=cached or None)
 
     # -- cached contents ----------------------------------------------------------------------------------------
@@ -276,25 +284,25 @@ class GeminiApi:
 
     @routes.post("/{tenant}/v1beta/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._create(t, request))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._create(t, request))
 
     async def _create(self, t: Tenant, request: Request):
         gw = self.gw
-        body: GeminiCachedContentRequest = await gw.body(request, GeminiCachedContentRequest, API)
-        gw.check_model(body.model.removeprefix("models/"), API)
+        body: GeminiCachedContentRequest = await gw.admission.body(request, GeminiCachedContentRequest, API)
+        gw.admission.check_model(body.model.removeprefix("models/"), API)
         _refuse_unsupported(body)
         messages = _messages(body.contents or [], body.systemInstruction, "contents")
         if not any(m["content"] for m in messages):
             raise err(400, "contents: a cached content needs a system instruction or contents with text", API)
         ttl = _lifetime(gw, t, body.ttl, body.expireTime)
-        tokens = (await gw.chat(t, messages, API, generation=False)).token_ids
+        chat = await gw.prompts.chat(t, messages, API, generation=False)
         meta = {"model": f"models/{gw.model_id}", "displayName": body.displayName}
-        return self._public(await create_content(gw, t, meta, tokens, ttl, request, API))
+        return self._public(await create_content(gw, t, meta, chat, ttl, request, API))
 
     @routes.get("/{tenant}/v1beta/cachedContents")
     async def list_cached_contents(self, tenant: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
+        t = self.gw.admission.auth(tenant, request, API)
         q = request.query_params
         try:
             size = int(q.get("pageSize") or 100)
@@ -312,7 +320,7 @@ class GeminiApi:
 
     @routes.get("/{tenant}/v1beta/cachedContents/{cid}")
     async def get_cached_content(self, tenant: str, cid: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
+        t = self.gw.admission.auth(tenant, request, API)
         cc = await self.gw.contents[t.name].get(t.name, f"cachedContents/{cid}")
         if cc is None:
             raise err(404, f"cached content {cid!r} not found", API)
@@ -320,12 +328,12 @@ class GeminiApi:
 
     @routes.patch("/{tenant}/v1beta/cachedContents/{cid}")
     async def update_cached_content(self, tenant: str, cid: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
-        return await self.gw.held(t, API, self._update(t, cid, request))
+        t = self.gw.admission.auth(tenant, request, API)
+        return await self.gw.admission.held(t, API, self._update(t, cid, request))
 
     async def _update(self, t: Tenant, cid: str, request: Request):
         gw = self.gw
-        body: GeminiCachedContentPatch = await gw.body(request, GeminiCachedContentPatch, API)
+        body: GeminiCachedContentPatch = await gw.admission.body(request, GeminiCachedContentPatch, API)
         mask = {m.strip() for m in (request.query_params.get("updateMask") or "").split(",") if m.strip()}
         if mask - {"ttl", "expireTime", "expire_time"}:
             raise err(400, f"updateMask: only ttl or expireTime can be updated, got {sorted(mask)}", API)
@@ -336,7 +344,7 @@ class GeminiApi:
 
     @routes.delete("/{tenant}/v1beta/cachedContents/{cid}")
     async def delete_cached_content(self, tenant: str, cid: str, request: Request):
-        t = self.gw.auth(tenant, request, API)
+        t = self.gw.admission.auth(tenant, request, API)
         if not await self.gw.contents[t.name].delete(t.name, f"cachedContents/{cid}"):
             raise err(404, f"cached content {cid!r} not found", API)
         return JSONResponse({})

@@ -1,0 +1,168 @@
+"""Admission of a request to one gateway replica (``Admission``): the tenant authenticated by its key, the body read
+and checked, the tenant's in-flight places, request rate and prompt size, the model and the context; an admitted
+prompt kept in the tenant's advisor sample. Every check answers in the calling API's error format."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from router.gateway.access import current as current_access
+from router.gateway.chat import ChatPrompt
+from router.gateway.errors import err
+from router.gateway.store import KeyRing, PromptSamples, RateLimiter, presented_key
+from router.gateway.tenants import Slot, SlotStream, Tenant
+from router.gateway.tracing import current_trace, traced
+from router.gateway.wire import MAX_BODY_BYTES, BodyError, parse_body, ttl_seconds
+
+T = TypeVar("T")
+
+
+class Admission:
+    """``tenants`` by name, their ``keys`` (hashed), the served ``model_id`` and its context (``max_model_len``);
+    ``request_rates``: each tenant's request-rate limiter without its token budget (for requests that generate
+    nothing); ``samples``: the advisor's prompt samples, written in the background through ``spawn``."""
+
+    def __init__(
+        self,
+        tenants: dict[str, Tenant],
+        keys: KeyRing,
+        model_id: str,
+        max_model_len: int,
+        request_rates: dict[str, RateLimiter],
+        samples: PromptSamples,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
+    ) -> None:
+        self.tenants, self.keys, self.model_id, self.max_model_len = tenants, keys, model_id, max_model_len
+        self._request_rates, self.samples, self.spawn = request_rates, samples, spawn
+
+    def auth(self, tenant: str, request: Request, api: str) -> Tenant:
+        """The tenant, if the request carries one of its keys (``presented_key``). An unknown tenant gets the very
+        same 401 as a wrong key, so tenant names cannot be probed. Every route calls this first: the request's
+        errors from here on are in ``api``'s format."""
+        request.state.api = api
+        with traced("auth"):
+            t = self.tenants.get(tenant)
+            ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: same timing
+            if t is None or not ok:
+                raise err(401, "invalid API key for this tenant", api)
+        acc = current_access()  # the access log's record of this request (router/gateway/access.py)
+        if acc is not None:
+            acc.tenant, acc.model = t.name, self.model_id
+        rt = current_trace()
+        if rt is not None:
+            rt.annotate({"kvgrid.tenant": t.name, "kvgrid.api": api, "kvgrid.model": self.model_id})
+        return t
+
+    async def body(self, request: Request, model: type[BaseModel], api: str) -> Any:
+        try:
+            return await parse_body(request, model, MAX_BODY_BYTES)
+        except BodyError as exc:
+            raise err(exc.status, exc.message, api) from None
+
+    async def held(self, t: Tenant, api: str, work: Coroutine[Any, Any, T]) -> T:
+        """Run the coroutine ``work`` in one of the tenant's in-flight places in this replica (429 when all are
+        taken); a streamed answer (``SlotStream``) keeps the place until its stream ends."""
+        limit = t.config.limits.max_inflight_requests
+        if t.inflight >= limit:
+            work.close()
+            raise err(
+                429,
+                f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
+                "when one has finished",
+                api,
+            )
+        slot: Slot | None = Slot(t)
+        try:
+            result = await work
+            if isinstance(result, SlotStream):
+                result.slot, slot = slot, None
+            return result
+        finally:
+            if slot is not None:
+                slot.release()
+
+    def check_model(self, model: str, api: str) -> None:
+        if model != self.model_id:
+            raise err(404, f"model {model!r} does not exist; this gateway serves {self.model_id!r}", api)
+
+    def ttl(self, value: str | None, default: float, longest: float, field: str, api: str) -> float:
+        """A TTL the request gives in ``field`` (``ttl_seconds``), its error in ``api``'s format."""
+        try:
+            return ttl_seconds(value, default, longest, field)
+        except BodyError as exc:
+            raise err(exc.status, exc.message, api) from None
+
+    def check_context(self, prompt: list[int], max_tokens: int, field: str, api: str) -> None:
+        """400 naming ``field`` when a ``max_tokens`` the client gave does not fit in the context after the prompt
+        (a default one is capped by the engine instead; a prompt that alone fills it is ``admit``'s 413)."""
+        n, ctx = len(prompt), self.max_model_len
+        if n < ctx < n + max_tokens:
+            raise err(
+                400,
+                f"{field}: this model's maximum context length is {ctx} tokens; however, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Reduce the "
+                f"prompt or {field} (at most {ctx - n} here)",
+                api,
+            )
+
+    async def admit(
+        self, t: Tenant, prompt: list[int], max_tokens: int, api: str, chat: ChatPrompt | None = None
+    ) -> None:
+        """Check the prompt's length and the tenant's limits before any work is done for it (``chat``: what the
+        prompt was rendered from, for the advisor's sample)."""
+        if not prompt:
+            raise err(400, "the prompt is empty", api)
+        self.check_size(t, len(prompt), max_tokens, api)
+        retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
+        if retry_after is not None:
+            raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+        self.sample(t, prompt, chat)
+
+    def check_size(self, t: Tenant, n: int, max_tokens: int, api: str) -> None:
+        """413 for a prompt of ``n`` tokens that the context, or the tenant's limits, do not take."""
+        if n >= self.max_model_len:
+            raise err(413, f"the prompt has {n} tokens; the context is {self.max_model_len}", api)
+        lim = t.config.limits
+        if lim.max_prompt_tokens is not None and n > lim.max_prompt_tokens:
+            raise err(413, f"the prompt has {n} tokens; this tenant may send {lim.max_prompt_tokens}", api)
+        if lim.tokens_per_min is not None and n + max_tokens > lim.tokens_per_min:
+            raise err(
+                413,
+                f"the prompt and max tokens ({n + max_tokens}) exceed this tenant's {lim.tokens_per_min} tokens "
+                "per minute",
+                api,
+            )
+
+    async def admit_request(self, t: Tenant, api: str) -> None:
+        """Count a request that generates nothing (count_tokens) against the tenant's request rate: 429 past it."""
+        retry_after = await self._request_rates[t.name].admit(t.name, 0)
+        if retry_after is not None:
+            raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+
+    def sample(self, t: Tenant, prompt: list[int], chat: ChatPrompt | None = None) -> None:
+        """Keep an admitted prompt in the tenant's advisor sample (``advice: {sample: N}``; off by default): the
+        messages ``chat`` was rendered from when the prompt ends with it, else its token ids. Best effort, in the
+        background."""
+        keep = t.config.advice.sample
+        if not keep:
+            return
+        row: dict[str, Any] = {"t": time.time()}
+        ids = chat.token_ids if chat is not None else []
+        if (
+            chat is not None
+            and chat.source is not None
+            and len(ids) <= len(prompt)
+            and prompt[len(prompt) - len(ids) :] == ids
+        ):
+            row.update(messages=chat.source.messages, gen=chat.source.generation, prefix=len(prompt) - len(ids))
+            if chat.source.tools:
+                row["tools"] = chat.source.tools
+        else:
+            row["token_ids"] = prompt
+        self.spawn(self.samples.add(t.name, row, keep, t.config.advice.ttl))
