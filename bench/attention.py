@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton paged attention kernels (issue: paged Triton attention).
+"""GPU benchmark of the Triton paged attention kernels against torch's SDPA.
 
     python bench/attention.py            # on a CUDA machine: correctness check, then the decode and extend tables
     python bench/attention.py --quick    # tiny shapes; runs on CPU too (set TRITON_INTERPRET=1), to check the script

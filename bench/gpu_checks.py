@@ -1,9 +1,9 @@
-"""The serving-speed issue's GPU checks in one run, for a session that is lent a GPU for a few minutes.
+"""kvgrid's GPU checks in one run, for a session that is lent a GPU for a few minutes.
 
     python bench/gpu_checks.py [--out DIR]    # on a CUDA machine: about 3-5 minutes
     python bench/gpu_checks.py --smoke        # on CPU: tiny shapes through the same steps, to check the script
 
-1. ``bench/attention.py``: the Triton paged-attention kernels against torch's SDPA (issue 3's targets), as it
+1. ``bench/attention.py``: the Triton paged-attention kernels against torch's SDPA, as it
    prints them;
 2. ``kvgrid bench engine --device cuda`` (``worker.bench.run``) with decode in CUDA graphs and with
    ``--no-cuda-graphs`` (eager), on the demo model, batches 1/8/32/128: TTFT cold and over a cached prefix,

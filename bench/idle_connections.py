@@ -1,4 +1,4 @@
-"""A tenant's latency beside thousands of idle and trickling connections (issue 33's first defect), against a
+"""A tenant's latency beside thousands of idle and trickling connections (a hostile client's idle sockets), against a
 running `kvgrid serve` such as `make run`'s:
 
     .venv/bin/python bench/idle_connections.py [--url http://127.0.0.1:8000] [--tenant globex --key sk-globex-1]

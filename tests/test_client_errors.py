@@ -1,4 +1,4 @@
-"""Hostile and mistaken client requests (issue 33, items 4-6) are answered 4xx in the calling API's own error shape,
+"""Hostile and mistaken client requests are answered 4xx in the calling API's own error shape,
 naming the field, never 500: deep JSON in tool calls, schemas the grammar engine cannot compile (``$ref``
 recursion without an exit, patterns that expand too far, special-token text), tool names outside the APIs' rule,
 ``max_tokens`` past the context, Anthropic's ``cache_control`` rules; vLLM's sampling extras reach the engine.

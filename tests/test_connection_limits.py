@@ -1,4 +1,4 @@
-"""Connection hygiene at a gateway replica's HTTP server (issue 33, item 1; router/gateway/ingress.py): idle
+"""Connection hygiene at a gateway replica's HTTP server (router/gateway/ingress.py): idle
 connections, slowloris heads and slow bodies are cut off, caps per client address and per server hold, and no
 number of idle sockets turns a normal client's requests away. Each test runs an IngressServer in this process
 (a tiny FastAPI app, no Ray) and talks to it over real sockets. Linux routes all of 127/8 to lo, so clients bind

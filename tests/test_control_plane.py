@@ -34,7 +34,7 @@ from harness import (
     write_config,
 )
 
-RECOVERY_S = 30.0  # the issue's target for a killed control-plane process
+RECOVERY_S = 30.0  # the recovery target for a killed control-plane process
 
 HEAD = """
 import json, sys, ray

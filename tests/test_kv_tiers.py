@@ -373,7 +373,7 @@ def test_fingerprint_covers_every_layer_and_the_layout(demo_path):
     assert len({fp(), fp(2, 0), fp(2, 1)}) == 3
 
 
-# -- ownership of the disk folder (issue 33) --------------------------------------------------------------------
+# -- ownership of the disk folder ----------------------------------------------------------------------------------
 
 SHAPE = (1, 2, 4, 1, 8)  # one block: [layer, k/v, token, head, dim]
 

@@ -1,4 +1,4 @@
-"""Metrics that add up across gateway replicas (router/gateway/replica_metrics.py, issue 35): the merge of counters,
+"""Metrics that add up across gateway replicas (router/gateway/replica_metrics.py): the merge of counters,
 histograms and gauges; a replica that disappears keeps its counts; and, against one real `kvgrid serve` with two
 gateway replicas sharing the port, 20 scrapes in a row (a new connection each, so the kernel spreads them over the
 replicas) all show every request, in the tenant's and the admin metrics, also while a replica is killed and

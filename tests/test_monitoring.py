@@ -1,4 +1,4 @@
-"""Monitoring (issue 17, part 4): the hit-rate drop alarm on a simulated clock (fires within one window after a
+"""Monitoring: the hit-rate drop alarm on a simulated clock (fires within one window after a
 planted prefix change, never under 10 minutes of steady traffic), the alert's log line, metric and admin API entry
 through the gateway's own accounting (real Redis), request latencies; and on the shared server: every query of the
 Grafana dashboard names a metric the server exports (a live scrape), latency histograms fill, and the cache

@@ -282,7 +282,7 @@ def test_serve_prints_each_phase_of_its_start_in_order_and_no_secret(server):
 def test_a_restart_keeps_usage_cached_contents_and_the_kv_blocks_on_disk(server, redis_url):
     """Stop the server and start it again with the same Redis, KVGRID_SECRET and disk tier: the usage and cached
     contents in Redis are kept, and a prompt computed before the restart is read from the disk tier after it
-    (issue 15's restart target): cached tokens, the same greedy output, none of it for another tenant."""
+    (a restart's target): cached tokens, the same greedy output, none of it for another tenant."""
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     r = httpx.post(
         f"{server.base}/acme/v1/cachedContents",

@@ -19,9 +19,9 @@ TENANTS = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", INITECH_KEY)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # 4 MiB of KV per group = 64 blocks of 16 tokens: a few long prompts cycle the whole cache. KV tiers on (issue
-    # 15: the isolation bound holds in every tier): 64 more blocks in host RAM and ~127 on disk per group, which
-    # the flood below overflows too.
+    # 4 MiB of KV per group = 64 blocks of 16 tokens: a few long prompts cycle the whole cache. KV tiers on (the
+    # isolation bound holds in every tier): 64 more blocks in host RAM and ~127 on disk per group, which the flood
+    # below overflows too.
     with serving(
         tmp_path_factory,
         f"""

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (router/gateway/tracing.py; issue 35, part 3): off without a ``tracing`` config (no provider,
+"""OpenTelemetry tracing (router/gateway/tracing.py): off without a ``tracing`` config (no provider,
 no exporter); with one, a request's spans (gateway, auth, template, tokenize, route, queue, prefill, decode) reach
 an OTLP/HTTP collector in one trace, the client's, and hold no prompt text and no key.
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from common import env
 from common.config import ServeConfig, load_config
+from router.clients import RouterClient, SupervisorClient
 
 if TYPE_CHECKING:
     from common.protocol import RouterHandle, SupervisorHandle
@@ -123,7 +124,7 @@ def _await_groups(supervisor: SupervisorHandle, scaling, groups: int) -> None:
 
     def report() -> None:
         try:
-            nodes = ray.get(supervisor.serving_nodes.remote(), timeout=30)
+            nodes = ray.get(SupervisorClient.of(supervisor).serving_nodes(), timeout=30)
         except Exception:  # only the report is missed: the scale's own outcome decides
             return
         for name, node in sorted(nodes.items(), key=lambda kv: (len(kv[0]), kv[0])):
@@ -262,8 +263,7 @@ def run(
             )
             .remote(template, [f"kvgrid-router-{i}" for i in range(len(routers))], url, max_groups=cfg.group_limit)
         )
-        # Ray types a new actor as ActorHandle[T] | type[T]: only @ray.method methods show a .remote to mypy.
-        scaling = supervisor.scale.remote(cfg.groups)  # type: ignore[attr-defined]
+        scaling = SupervisorClient.of(supervisor).scale(cfg.groups)
         from ray import serve
 
         # Serve's controller starts while the groups do. Every gateway replica serves http.port itself
@@ -271,14 +271,15 @@ def run(
         serve.start(proxy_location="Disabled")
         # The gateways start after the groups: nothing answers on http.port before they serve.
         _await_groups(supervisor, scaling, cfg.groups)
-        ray.get([r.groups.remote() for r in routers], timeout=60)  # each replica answers, the groups known
+        router_clients = [RouterClient.of(r) for r in routers]
+        ray.get([r.groups() for r in router_clients], timeout=60)  # each replica answers, the groups known
         _phase(f"router: {cfg.router_replicas} replica(s) ready")
         _start_gateways(cfg, model_path, routers, url, supervisor if cfg.admin_keys else None)
         port_hold.close()
         _phase(f"gateway: {cfg.http.replicas} replica(s) ready on {where}")
         _print_banner(cfg)
         print("ready", flush=True)
-        ray.get([r.poll.remote() for r in routers])  # the routers follow the groups' events from now on
+        ray.get([r.poll() for r in router_clients])  # the routers follow the groups' events from now on
         wait_for_stop(stop or threading.Event())
         print("shutting down", flush=True)
         return 0
@@ -473,7 +474,7 @@ def _shutdown(supervisor, embedded) -> None:
 
         if supervisor is not None:
             try:
-                ray.get(supervisor.shutdown.remote(), timeout=60)
+                ray.get(SupervisorClient.of(supervisor).shutdown(), timeout=60)
             except Exception as exc:
                 print(f"group shutdown: {exc}", file=sys.stderr)
             ray.kill(supervisor, no_restart=True)  # nothing may start a group after the sweep below

@@ -21,10 +21,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import ray
+from ray import ObjectRef
 from ray.util.placement_group import placement_group_table
 
 from common.errors import GroupUnhealthyError
@@ -168,7 +170,8 @@ class Supervisor:
         with self._mu:
             self.groups[name] = group
         with self._members:
-            self._tell_routers("add_group", name, group.leader)  # from now on it receives requests
+            # From now on it receives requests.
+            self._tell_routers(lambda r: r.add_group(name, group.leader), f"add_group({name})")
             with self._mu:
                 self.state[name] = SERVING
         _log(f"group {name} is serving")
@@ -212,7 +215,7 @@ class Supervisor:
             group = self.groups[name]
             self.state[name] = DRAINING  # from now on the health check leaves it alone
         deadline = time.monotonic() + timeout_s
-        self._tell_routers("pause_group", name)
+        self._tell_routers(lambda r: r.pause_group(name), f"pause_group({name})")
         _log(f"draining group {name}")
         moved: set[tuple[str, tuple[int, ...]]] = set()
         responsive = self._move_pins(name, group, moved, deadline)
@@ -237,7 +240,7 @@ class Supervisor:
     def _release(self, name: str, graceful: bool = True) -> None:
         """Drop a group from the routers (with its index entries) and free its actors and placement group."""
         with self._members:
-            self._tell_routers("remove_group", name)
+            self._tell_routers(lambda r: r.remove_group(name), f"remove_group({name})")
             with self._mu:
                 group = self.groups.pop(name, None)
                 self.state.pop(name, None)
@@ -285,17 +288,21 @@ class Supervisor:
             client.close()
 
     def _tell_routers(
-        self, method: str, *args, routers: Sequence[RouterClient] | None = None, timeout_s: float = ROUTER_TIMEOUT_S
+        self,
+        call: Callable[[RouterClient], ObjectRef[None]],
+        what: str,
+        routers: Sequence[RouterClient] | None = None,
+        timeout_s: float = ROUTER_TIMEOUT_S,
     ) -> None:
-        """Call ``method`` on every router replica (or those in ``routers``); a replica that fails or does not
-        answer is logged, not fatal (the health check catches it up once it answers again)."""
-        refs = [getattr(r, method)(*args) for r in (self.routers if routers is None else routers)]  # a RouterClient's
+        """``call(replica)`` on every router replica (or those in ``routers``), named ``what`` in the log; a replica
+        that fails or does not answer is logged, not fatal (the health check catches it up once it answers)."""
+        refs = [call(r) for r in (self.routers if routers is None else routers)]
         deadline = time.monotonic() + timeout_s
         for ref in refs:
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
-                _log(f"router replica: {method}({args[0]}) failed ({type(exc).__name__})", logging.WARNING)
+                _log(f"router replica: {what} failed ({type(exc).__name__})", logging.WARNING)
 
     def _router_groups(self) -> list[dict | None]:
         """Each router replica's groups (``RouterService.groups``), None for a replica that did not answer
@@ -322,10 +329,12 @@ class Supervisor:
                     continue
                 for g in sorted(serving.keys() - groups.keys()):
                     _log(f"a router replica lacks group {g}; adding it")
-                    self._tell_routers("add_group", g, serving[g], routers=[router], timeout_s=ROUTER_POLL_TIMEOUT_S)
+                    add = partial(RouterClient.add_group, group=g, leader=serving[g])
+                    self._tell_routers(add, f"add_group({g})", [router], ROUTER_POLL_TIMEOUT_S)
                 for g in sorted(groups.keys() - known):
                     _log(f"a router replica still has the removed group {g}; dropping it")
-                    self._tell_routers("remove_group", g, routers=[router], timeout_s=ROUTER_POLL_TIMEOUT_S)
+                    remove = partial(RouterClient.remove_group, group=g)
+                    self._tell_routers(remove, f"remove_group({g})", [router], ROUTER_POLL_TIMEOUT_S)
 
     # -- failures ---------------------------------------------------------------------------------------------
 
@@ -359,11 +368,11 @@ class Supervisor:
             if not healthy:
                 self._restart(name, group, reason or "it was not running")
             elif name in paused:
-                self._tell_routers("pause_group", name, False)
+                self._tell_routers(partial(RouterClient.pause_group, group=name, paused=False), f"resume_group({name})")
                 with self._mu:
                     drained = self.state.get(name) != SERVING
                 if drained:  # a drain paused it meanwhile: it must stay paused
-                    self._tell_routers("pause_group", name)
+                    self._tell_routers(partial(RouterClient.pause_group, group=name), f"pause_group({name})")
 
     def _watch_redis(self) -> None:
         """Ping Redis every health interval; log when it stops answering and when it answers again."""
@@ -394,7 +403,7 @@ class Supervisor:
     def _restart(self, name: str, group: WorkerGroup, reason: str) -> None:
         _log(f"group {name} failed ({reason}); restarting it", logging.WARNING)
         # Its cache is gone: drop the group and its index entries now, re-add it once it serves again.
-        self._tell_routers("remove_group", name)
+        self._tell_routers(lambda r: r.remove_group(name), f"remove_group({name})")
         try:
             group.restart()
         except Exception as exc:
@@ -406,7 +415,7 @@ class Supervisor:
         with self._mu:
             if self.state.get(name) != RESTARTING:
                 return
-        self._tell_routers("add_group", name, group.leader)
+        self._tell_routers(lambda r: r.add_group(name, group.leader), f"add_group({name})")
         with self._mu:
             self.state[name] = SERVING
             self.restarts[name] = self.restarts.get(name, 0) + 1

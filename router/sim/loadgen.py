@@ -312,8 +312,8 @@ async def run_jobs(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     results: list[Result] = []
-    # aiohttp rather than httpx: with 32 streams httpx's pure-Python HTTP/1.1 stack used about a third of a core
-    # (184 ms of CPU per 1000 streamed tokens), which on a small machine is taken from the server measured.
+    # aiohttp rather than httpx: with tens of streams httpx's pure-Python HTTP/1.1 stack uses a good part of a core,
+    # which on a small machine is taken from the server measured.
     connector = aiohttp.TCPConnector(limit=concurrency or 0)  # 0: no limit (--request-rate without --concurrency)
     timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)  # as httpx's: per wait, not in all
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:

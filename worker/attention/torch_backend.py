@@ -184,10 +184,8 @@ class TorchBackend(AttentionBackend):
         of the row, all KV heads together (the gathered blocks read as [n, L * kv_heads, head_dim] as they lie,
         no transpose), the other heads' keys and the padding masked out before the softmax. It computes
         kv_heads times the products a per-head attention needs, and with one or two KV heads on a rank it still
-        beats SDPA's CPU kernel, whose per-head tiles cost more than the products for one-token queries
-        (measured on 2 cores, demo model shapes, 192 keys a row: bfloat16 366 against 623 us at 32 rows, 4.2
-        against 8.8 ms at 1024 keys; decode steps of batch 32 in the engine 5-8% faster). Not for float32: there the
-        engine's steps got slower with it (12.7-14.9 against 10.9-11.9 ms at batch 32)."""
+        beats SDPA's CPU kernel, whose per-head tiles cost more than the products for one-token queries. Not for
+        float32: there the engine's steps get slower with it."""
         assert d.blocks is not None
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         n = d.num_rows

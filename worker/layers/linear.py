@@ -123,9 +123,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> 
     """CPU, bfloat16 or float32 (where ``pick_float32_path`` chose it): reorder every linear weight once into
     oneDNN's blocked layout (``packed`` on the parameter, which ``linear`` then computes from) and drop the dense
     copy, so the weights' memory stays what it was. Each matmul then skips the reorder oneDNN otherwise makes per
-    call: measured on 2 cores with the demo model's shapes, bfloat16: the same results bit for bit and 25-45%
-    faster at 1-8 rows, 10-25% at 32, the same at 512; float32 on an AVX2-only CPU, against ``F.linear``: 30-50%
-    faster at 8-13 rows, 20-30% at 32, the same at 1 and 128, within 5% at 2048. A weight
+    call: the same results bit for bit, faster at the few rows of a decode step, the same at a prefill's. A weight
     another module shares (tied embeddings) stays dense. All or nothing: where the ops are missing, or a probe
     matmul through a packed weight does not match ``F.linear``, nothing is packed. Returns how many were."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
