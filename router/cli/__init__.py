@@ -2,7 +2,7 @@
 diagnostics (warnings, retries, restarts) go through ``logging`` to stderr.
 
 Each command's parser and handler live in a module by topic: ``demo`` (demo-model, generate), ``serve`` (serve,
-config check, model-path), ``admin`` (scale, groups, advise) and ``bench`` (bench ..., replay); ``main`` here
+config check, model-path), ``admin`` (scale, groups, advise), ``bench`` (bench ..., replay) and ``plan``; ``main`` here
 builds the parser from them and turns every failure into one line."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from common.logs import configure_logging
 from router.cli.admin import add_advise, add_scale_and_groups
 from router.cli.bench import add_bench, add_replay
 from router.cli.demo import add_demo_model, add_generate
+from router.cli.plan import add_plan
 from router.cli.serve import (
     DEFAULT_TENANT,
     SECRET_FIELDS,
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_advise(sub)
     add_bench(sub)
     add_replay(sub)
+    add_plan(sub)
     return p
 
 

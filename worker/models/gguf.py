@@ -71,7 +71,7 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _open(path: Path):
+def open_gguf(path: Path):
     from gguf import GGUFReader
 
     if not path.is_file():
@@ -88,7 +88,7 @@ def _open(path: Path):
     return reader
 
 
-def _field(reader, key: str, default: Any = ...) -> Any:
+def gguf_field(reader, key: str, default: Any = ...) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is ...:
@@ -98,26 +98,26 @@ def _field(reader, key: str, default: Any = ...) -> Any:
 
 
 def _hparams(reader, arch: str) -> _Hparams:
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0))
+    vocab = int(gguf_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0))
     scaling = None
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor"))}
     elif kind not in ("none", ""):
         raise GGUFError(f"rope scaling {kind!r} is not supported (only linear)")
     return _Hparams(
-        layers=int(_field(reader, f"{arch}.block_count")),
+        layers=int(gguf_field(reader, f"{arch}.block_count")),
         hidden=hidden,
-        intermediate=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate=int(gguf_field(reader, f"{arch}.feed_forward_length")),
         heads=heads,
-        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        context=int(_field(reader, f"{arch}.context_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        context=int(gguf_field(reader, f"{arch}.context_length")),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         vocab=vocab,
         rope_scaling=scaling,
     )
@@ -158,7 +158,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _check(reader, path: Path) -> tuple[str, _Hparams]:
     """Architecture, hyperparameters and tensor names and types, all checked before anything is written."""
-    arch = str(_field(reader, "general.architecture"))
+    arch = str(gguf_field(reader, "general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(
             f"{path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -225,18 +225,18 @@ def _tokenizer(reader, path: Path) -> tuple[Any, dict[str, Any]]:
     """The ``tokenizers`` object of the file's BPE vocabulary, and the special-token facts for the configs."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFError(f"{path.name}: tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(
             f"{path.name}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
         )
-    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    tokens = [str(t) for t in gguf_field(reader, "tokenizer.ggml.tokens")]
+    types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges: list[tuple[str, str]] = []
-    for m in _field(reader, "tokenizer.ggml.merges"):
+    for m in gguf_field(reader, "tokenizer.ggml.merges"):
         left, _, right = str(m).partition(" ")
         merges.append((left, right))
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -262,10 +262,10 @@ def _tokenizer(reader, path: Path) -> tuple[Any, dict[str, Any]]:
     tok.add_tokens(added)
 
     def name(key: str) -> str | None:
-        i = _field(reader, f"tokenizer.ggml.{key}", None)
+        i = gguf_field(reader, f"tokenizer.ggml.{key}", None)
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    bos, add_bos = name("bos_token_id"), bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    bos, add_bos = name("bos_token_id"), bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))
     if add_bos and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A:0", pair=f"{bos} $A:0 {bos} $B:1", special_tokens=[(bos, vocab[bos])]
@@ -275,7 +275,7 @@ def _tokenizer(reader, path: Path) -> tuple[Any, dict[str, Any]]:
     eos_ids = [
         int(i)
         for key in ("eos_token_id", "eot_token_id")
-        if (i := _field(reader, f"tokenizer.ggml.{key}", None)) is not None
+        if (i := gguf_field(reader, f"tokenizer.ggml.{key}", None)) is not None
     ]
     facts = {
         "bos_token": bos,
@@ -300,7 +300,7 @@ def convert_gguf(path: str | Path, out: str | Path, progress: bool = True) -> Pa
     that need no tensor data run first. The caller owns ``out`` and removes it on failure
     (``registry.resolve_model`` builds into a temporary folder and renames it into the cache)."""
     path, out = Path(path), Path(out)
-    reader = _open(path)
+    reader = open_gguf(path)
     arch, hp = _check(reader, path)
     tokenizer, facts = _tokenizer(reader, path)
     if tokenizer.get_vocab_size(with_added_tokens=True) != hp.vocab:
@@ -350,7 +350,7 @@ def convert_gguf(path: str | Path, out: str | Path, progress: bool = True) -> Pa
         "clean_up_tokenization_spaces": False,
         "model_max_length": hp.context,
     }
-    template = _field(reader, "tokenizer.chat_template", None)
+    template = gguf_field(reader, "tokenizer.chat_template", None)
     if template:
         tok_config["chat_template"] = str(template)
     _write_json(out / "tokenizer_config.json", tok_config)
