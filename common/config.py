@@ -215,9 +215,10 @@ class KVTiersServeConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """The router's cost policy (router/routing/policy.py; docs/routing.md): what a hit a group holds in
-    host RAM or on disk costs, in prefill-token equivalents per token (a load's time counted in prefill time;
-    0.04 and 0.4 by default: 16k prefill tokens/s against loads of 400k and 40k tokens/s)."""
+    """The router's prefix index (router/routing/index.py) and cost policy (router/routing/policy.py;
+    docs/routing.md): what a hit a group holds in host RAM or on disk costs, in prefill-token equivalents per token
+    (a load's time counted in prefill time; 0.04 and 0.4 by default: 16k prefill tokens/s against loads of 400k
+    and 40k tokens/s)."""
 
     host_load_weight: float = Field(
         0.04,
@@ -230,6 +231,11 @@ class RoutingConfig(_Strict):
         ge=0,
         allow_inf_nan=False,
         description="What a cached token held on disk costs to use, in prefill-token equivalents",
+    )
+    index: Literal["dict", "compact"] = Field(
+        "dict",
+        description="Each router replica's prefix index: dict (fastest routing and event application, about 150 "
+        "bytes per block key) or compact (numpy arrays, about 15-40 bytes per key, for tens of millions of keys)",
     )
 
 

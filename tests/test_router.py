@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from common.events import AllCleared, BlockRemoved, BlockStored, ListSink
 from common.sampling import SamplingParams
-from router.routing.index import PrefixIndex
+from router.routing.index import INDEX_KINDS, new_index
 from router.routing.router import Router
 from router.routing.transport import InProcessTransport
 from router.sim.replay import load_trace, replay
@@ -23,9 +25,10 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def test_index_follows_interleaved_events_like_a_naive_model():
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_index_follows_interleaved_events_like_a_naive_model(kind):
     rng = random.Random(3)
-    index, model = PrefixIndex(), {g: set() for g in "abc"}
+    index, model = new_index(kind), {g: set() for g in "abc"}
     for _ in range(3000):
         g, op = rng.choice("abc"), rng.random()
         keys = [k(rng.randrange(40)) for _ in range(rng.randrange(1, 5))]
@@ -49,8 +52,9 @@ def test_index_follows_interleaved_events_like_a_naive_model():
         assert index.match(prompt) == expected
 
 
-def test_removing_a_group_drops_all_its_entries_at_once():
-    index = PrefixIndex()
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_removing_a_group_drops_all_its_entries_at_once(kind):
+    index = new_index(kind)
     index.apply("a", BlockStored([k(1), k(2)], None))
     index.apply("b", BlockStored([k(1)], None))
     index.remove_group("a")

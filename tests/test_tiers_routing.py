@@ -16,7 +16,7 @@ import pytest
 from common.event_stream import RedisStreamSink, RedisStreamSubscription, stream_name
 from common.events import AllCleared, BlockRemoved, BlockStored, Tier, snapshot_events
 from common.sampling import SamplingParams
-from router.routing.index import PrefixIndex, TierMatch
+from router.routing.index import INDEX_KINDS, TierMatch, new_index
 from router.routing.policy import CacheAwarePolicy, GroupLoad, RouteRequest, load_weight
 from router.routing.router import Router
 from router.sim.replay import load_trace, replay
@@ -44,10 +44,11 @@ def naive_match(model: dict[str, dict[bytes, set[Tier]]], prompt: list[bytes]) -
     return out
 
 
-def test_index_follows_tiered_events_like_a_naive_model():
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_index_follows_tiered_events_like_a_naive_model(kind):
     rng = random.Random(15)
     groups = [f"g{i}" for i in range(20)]  # more groups than the index's first packing width (16 bits)
-    index = PrefixIndex()
+    index = new_index(kind)
     model: dict[str, dict[bytes, set[Tier]]] = {}
     for step in range(4000):
         g = rng.choice(groups[: 3 + step // 200])  # groups join over time
@@ -81,8 +82,9 @@ def test_index_follows_tiered_events_like_a_naive_model():
     assert index.match_tiers([prompt]) == naive_match(model, prompt)
 
 
-def test_a_block_in_several_tiers_counts_in_its_best_one():
-    index = PrefixIndex()
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_a_block_in_several_tiers_counts_in_its_best_one(kind):
+    index = new_index(kind)
     keys = [k(i) for i in range(4)]
     index.apply("g0", BlockStored(keys, None))  # computed: GPU
     index.apply("g0", BlockStored(keys[2:], None, Tier.HOST))

@@ -116,7 +116,27 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
         groups=args.groups,
         block_size=args.block_size,
         calls=args.calls,
+        index=args.index,
     )
+    return 0
+
+
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from router.sim.fleet import fleet, format_fleet
+
+    r = fleet(
+        args.trace,
+        args.groups,
+        args.nodes,
+        args.replicas,
+        args.requests,
+        args.rate_scale,
+        args.capacity_tokens,
+        args.seed,
+        progress=not args.json,
+        index=args.index,
+    )
+    print(json.dumps(r, indent=2) if args.json else format_fleet(r))
     return 0
 
 
@@ -139,6 +159,7 @@ def add_bench(sub) -> None:
     _add_bench_route(bsub)
     _add_bench_tiers(bsub)
     _add_bench_keep_alive(bsub)
+    _add_bench_fleet(bsub)
     bs = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server: TTFT, ITL, tokens/s")
     add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serve)
@@ -226,13 +247,44 @@ def _add_bench_keep_alive(bsub) -> None:
 
 
 def _add_bench_route(bsub) -> None:
-    r = bsub.add_parser("route", help="route() latency for a long prompt against a large prefix index")
+    r = bsub.add_parser(
+        "route",
+        help="route() latency for a long prompt against a large prefix index; the index's bytes per key, event "
+        "application rate and snapshot load time",
+    )
     r.add_argument("--prompt-tokens", type=int, default=32768)
-    r.add_argument("--index-keys", type=int, default=1_000_000)
+    r.add_argument(
+        "--index-keys", type=int, default=1_000_000, help="keys to fill the index with (filled 1M keys per event)"
+    )
     r.add_argument("--groups", type=int, default=8)
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--calls", type=int, default=300)
+    r.add_argument("--index", choices=["dict", "compact"], default="dict", help="the prefix index to measure")
     r.set_defaults(func=_cmd_bench_route)
+
+
+def _add_bench_fleet(bsub) -> None:
+    f = bsub.add_parser(
+        "fleet",
+        help="simulated groups on simulated nodes, their KV events through a real Redis to several router replicas: "
+        "routes/s, event lag, index memory, catch-up, hit ratio",
+    )
+    f.add_argument("--trace", default=None, help="JSONL trace (Mooncake format; default: a generated one)")
+    f.add_argument("--groups", type=int, default=8)
+    f.add_argument("--nodes", type=int, default=2, help="simulated nodes (the groups of a node share a Redis client)")
+    f.add_argument("--replicas", type=int, default=2, help="router replicas, each with its own index")
+    f.add_argument("--requests", type=int, default=2000, help="requests of the trace to run")
+    f.add_argument(
+        "--rate-scale",
+        type=float,
+        default=0.0,
+        help="simulated seconds per wall second (0: what makes the requests arrive at 100/s)",
+    )
+    f.add_argument("--capacity-tokens", type=int, default=131072, help="KV cache tokens per group")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--index", choices=["dict", "compact"], default="dict", help="the replicas' prefix index")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_cmd_bench_fleet)
 
 
 def add_replay(sub) -> None:

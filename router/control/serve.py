@@ -311,7 +311,8 @@ def _router_args(cfg: ServeConfig, redis_url: str) -> dict:
         "max_queued_prefill_tokens": cfg.max_queued_prefill_tokens,
         "tenant_shares": {t.name: t.cache.share for t in cfg.tenants},
         "supervisor": SUPERVISOR_NAME,
-        "policy_args": cfg.routing.model_dump(),
+        "policy_args": cfg.routing.model_dump(exclude={"index"}),
+        "index": cfg.routing.index,
     }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from common.errors import NoGroup, Overloaded
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
-from router.routing.index import PrefixIndex, TierMatch, clear_bit
+from router.routing.index import PrefixIndex, TierMatch, clear_bit, new_index
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
 
@@ -67,12 +67,13 @@ class Router:
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
         cache_key_overload_tokens: int = CACHE_KEY_OVERLOAD_TOKENS,
+        index: str = "dict",
     ) -> None:
         self.block_size = block_size
         self.cache_key_overload_tokens = cache_key_overload_tokens
         self.hash_algo = hash_algo
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.index = PrefixIndex()
+        self.index: PrefixIndex = new_index(index)  # "dict" or "compact" (router/routing/index.py)
         self.loads: dict[str, GroupLoad] = {}
         self.prediction_ttl_s = prediction_ttl_s
         self.prediction_blocks = prediction_blocks
@@ -129,19 +130,32 @@ class Router:
         if group not in self.loads:
             return  # a removed group's late events
         self.index.apply(group, event)
-        if isinstance(event, BlockStored):  # the prediction has become a fact
-            bit = self.index.bit(group)
-            for k in event.keys:
-                if self._predicted.get(k, 0) & bit:
-                    self._unpredict(k, bit)
+        if isinstance(event, BlockStored) and self._predicted:
+            self._confirm(group, event.keys)
+
+    def apply_events(self, batch: Sequence[tuple[str, KVEvent]]) -> None:
+        """``apply_event`` for a batch of ``(group, event)``, put into the index together (fewer, larger table
+        operations: ``PrefixIndex.apply_many``)."""
+        batch = [(g, e) for g, e in batch if g in self.loads]
+        self.index.apply_many(batch)
+        if self._predicted:
+            for group, event in batch:
+                if isinstance(event, BlockStored):
+                    self._confirm(group, event.keys)
+
+    def _confirm(self, group: str, keys: list[bytes]) -> None:
+        """Stored keys that were predicted for ``group``: the prediction has become a fact."""
+        bit = self.index.bit(group)
+        for k in self._predicted.keys() & keys:
+            if self._predicted[k] & bit:
+                self._unpredict(k, bit)
 
     def poll_events(self) -> int:
         """Apply what the transport has delivered; returns how many events."""
         if self.events is None:
             return 0
         batch = self.events.poll()
-        for group, event in batch:
-            self.apply_event(group, event)
+        self.apply_events(batch)
         return len(batch)
 
     # -- routing ----------------------------------------------------------------------------------------------
@@ -342,8 +356,8 @@ class Router:
             return [], 0.0
         bit = self.index.bit(group)
         until = self.clock() + self.prediction_ttl_s
-        held, predicted, pred_until = self.index.holders, self._predicted, self._predicted_until
-        fresh = [k for k in keys if not held(k) & bit]
+        predicted, pred_until = self._predicted, self._predicted_until
+        fresh = [k for k, held in zip(keys, self.index.holders_many(keys)) if not held & bit]
         made = []
         for k in fresh:
             predicted[k] = predicted.get(k, 0) | bit

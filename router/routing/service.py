@@ -47,6 +47,7 @@ class RouterService:
         tenant_shares: dict[str, float] | None = None,
         supervisor: str | None = None,
         policy_args: dict[str, float] | None = None,
+        index: str = "dict",
     ) -> None:
         if supervisor is not None:  # a replica of `kvgrid serve`: its warnings go to the console (common/log_relay.py)
             from common.log_relay import relay_logging
@@ -60,6 +61,7 @@ class RouterService:
             make_policy(policy, 0, **(policy_args or {})),
             hash_algo,
             max_queued_prefill_tokens=max_queued_prefill_tokens,
+            index=index,
             tenant_shares=tenant_shares,
         )
         self.leaders = dict(leaders)
@@ -131,8 +133,7 @@ class RouterService:
             if isinstance(reply, BaseException) or g not in self.leaders:
                 continue  # a dead group: the supervisor removes or restarts it
             events, self.offsets[g] = reply
-            for e in events:
-                self.router.apply_event(g, e)
+            self.router.apply_events([(g, e) for e in events])
             n += len(events)
         return n
 
@@ -150,15 +151,12 @@ class RouterService:
             return 0
         reply = await asyncio.to_thread(self.stream.read, streams, block_ms)
         batch = self.stream.consume(streams, reply)
-        for group, event in batch:
-            if group in self.leaders:
-                self.router.apply_event(group, event)
+        self.router.apply_events([(group, event) for group, event in batch if group in self.leaders])
         for group in list(self.stream.needs_resync):
             leader = self.leaders.get(group)
             if leader is not None:  # an impossible offset asks for a snapshot
                 events, _ = await asyncio.wait_for(leader.read_events.remote(-1), GROUP_CALL_TIMEOUT_S)
-                for event in events:
-                    self.router.apply_event(group, event)
+                self.router.apply_events([(group, event) for event in events])
             self.stream.needs_resync.discard(group)  # only once the snapshot is in
         return len(batch)
 

@@ -1,29 +1,71 @@
-"""``kvgrid bench route``: latency of ``Router.route`` (hashing, index walk, policy, bookkeeping)."""
+"""``kvgrid bench route``: latency of ``Router.route`` (hashing, index walk, policy, bookkeeping), and the prefix
+index's memory per key, event application rate and snapshot load time at that size."""
 
 from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
+from pathlib import Path
 
-from common.events import BlockStored
+from common.events import BlockRemoved, BlockStored, KVEvent
+from router.routing.index import CompactPrefixIndex
 from router.routing.router import Router
+
+FILL_BATCH = 1_000_000  # keys per event while filling the index: bounded memory for the keys' bytes objects
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (0 where /proc is missing)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _keys(rng: random.Random, n: int) -> list[bytes]:
+    buf = rng.randbytes(16 * n)
+    return [buf[i : i + 16] for i in range(0, 16 * n, 16)]
 
 
 def route_latency(
-    prompt_tokens: int = 32768, index_keys: int = 1_000_000, groups: int = 8, block_size: int = 16, calls: int = 300
+    prompt_tokens: int = 32768,
+    index_keys: int = 1_000_000,
+    groups: int = 8,
+    block_size: int = 16,
+    calls: int = 300,
+    index: str = "dict",
 ) -> dict:
     names = [f"g{i}" for i in range(groups)]
-    router = Router(names, os.urandom(32), block_size)
+    rss0 = _rss()
+    router = Router(names, os.urandom(32), block_size, index=index)
     rng = random.Random(0)
-    # Fill the index with other prompts' keys, spread over the groups.
-    per = max(1, index_keys // groups)
-    for g in names:
-        router.apply_event(g, BlockStored([rng.randbytes(16) for _ in range(per)], None))
+    # Fill the index with other prompts' keys, spread over the groups, a bounded batch per event.
+    fill_s, done = 0.0, 0
+    while done < index_keys:
+        n = min(FILL_BATCH, index_keys - done)
+        keys = _keys(rng, n)
+        t = time.perf_counter()
+        router.apply_event(names[(done // FILL_BATCH) % groups], BlockStored(keys, None))
+        fill_s += time.perf_counter() - t
+        done += n
+    del keys
     # A cached prompt: its every block is held by one group (the worst case: the walk never stops early).
     cached = [rng.randrange(32000) for _ in range(prompt_tokens)]
     router.apply_event(names[0], BlockStored(router.keys_for("acme", cached), None))
-    results = {}
+    table = router.index
+    results: dict = {
+        "index": index,
+        "index_keys": len(table),
+        "rss_bytes_per_key": (_rss() - rss0) / max(1, len(table)),
+        "fill_keys_per_s": index_keys / fill_s if fill_s else 0.0,
+    }
+    if isinstance(table, CompactPrefixIndex):  # its arrays' own size, and its snapshot
+        results["index_bytes"] = table.nbytes()
+        results["index_bytes_per_key"] = table.nbytes() / max(1, len(table))
+        results.update(_snapshot(table))
+    results.update(_event_rates(router, rng, names))
     for label, make in (
         ("cold (new prompt each call)", lambda: [rng.randrange(32000) for _ in range(prompt_tokens)]),
         ("fully cached prompt", lambda: cached),
@@ -37,10 +79,76 @@ def route_latency(
             router.on_finish(d.request_id)
         lat.sort()
         results[label] = {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(0.99 * len(lat))] * 1e3}
+    _print(results, prompt_tokens, block_size, groups, calls)
+    return results
+
+
+def _event_rates(router: Router, rng: random.Random, names: list[str]) -> dict:
+    """Keys/s of events applied to the full index: 100k-key events (stored, then removed), and 64-key events
+    applied 1000 at a time (``Router.apply_events``, what a poll of the event streams does)."""
+    out = {}
+    keys = _keys(rng, 100_000)
+    for label, event in (("store", BlockStored(keys, None)), ("remove", BlockRemoved(keys))):
+        t = time.perf_counter()
+        router.apply_event(names[1 % len(names)], event)
+        out[f"{label}_keys_per_s"] = len(keys) / (time.perf_counter() - t)
+    keys = _keys(rng, 64_000)
+    for label in ("store", "remove"):
+        batch: list[tuple[str, KVEvent]] = [
+            (
+                names[i // 64 % len(names)],
+                BlockStored(keys[i : i + 64], None) if label == "store" else BlockRemoved(keys[i : i + 64]),
+            )
+            for i in range(0, len(keys), 64)
+        ]
+        t = time.perf_counter()
+        router.apply_events(batch)
+        out[f"small_{label}_keys_per_s"] = len(keys) / (time.perf_counter() - t)
+    return out
+
+
+def _snapshot(index: CompactPrefixIndex) -> dict:
+    """Seconds to save the index to a file and to load it back, and the file's size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "index.snap"
+        t = time.perf_counter()
+        index.save(path)
+        saved = time.perf_counter() - t
+        size = path.stat().st_size
+        t = time.perf_counter()
+        copy = CompactPrefixIndex.load(path)
+        loaded = time.perf_counter() - t
+        assert len(copy) == len(index)
+        del copy
+    return {"snapshot_save_s": saved, "snapshot_load_s": loaded, "snapshot_bytes": size}
+
+
+def _print(r: dict, prompt_tokens: int, block_size: int, groups: int, calls: int) -> None:
+    mib = 2**20
     print(
-        f"route() on a {prompt_tokens}-token prompt, block size {block_size}, index of {len(router.index)} keys, "
+        f"route() on a {prompt_tokens}-token prompt, block size {block_size}, index of {r['index_keys']} keys, "
         f"{groups} groups, {calls} calls"
     )
-    for label, r in results.items():
-        print(f"  {label:30s} p50 {r['p50_ms']:.3f} ms   p99 {r['p99_ms']:.3f} ms   (target p99 <= 1 ms)")
-    return results
+    for label in ("cold (new prompt each call)", "fully cached prompt"):
+        p = r[label]
+        print(f"  {label:30s} p50 {p['p50_ms']:.3f} ms   p99 {p['p99_ms']:.3f} ms   (target p99 <= 1 ms)")
+    arrays = (
+        f"{r['index_bytes'] / mib:.0f} MiB of arrays, {r['index_bytes_per_key']:.1f} bytes/key (numpy nbytes); "
+        if "index_bytes" in r
+        else ""
+    )
+    print(
+        f"{r['index']} index memory: {arrays}process RSS grew {r['rss_bytes_per_key']:.1f} bytes/key   "
+        "(target <= 40 bytes/key)"
+    )
+    print(
+        f"event application: fill {r['fill_keys_per_s'] / 1e6:.2f} M keys/s (1M-key events, growth included); "
+        f"100k-key events: store {r['store_keys_per_s'] / 1e6:.2f}, remove {r['remove_keys_per_s'] / 1e6:.2f} "
+        f"M keys/s; 64-key events in batches of 1000: store {r['small_store_keys_per_s'] / 1e6:.2f}, remove "
+        f"{r['small_remove_keys_per_s'] / 1e6:.2f} M keys/s   (target >= 5M keys/s)"
+    )
+    if "snapshot_bytes" in r:
+        print(
+            f"snapshot: {r['snapshot_bytes'] / mib:.0f} MiB, saved in {r['snapshot_save_s']:.2f} s, loaded in "
+            f"{r['snapshot_load_s']:.2f} s   (target load <= 10 s at 25M keys)"
+        )

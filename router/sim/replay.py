@@ -36,7 +36,7 @@ import heapq
 import itertools
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from router.routing.policy import (
 )
 from router.routing.router import Router
 from router.routing.transport import InProcessTransport
-from router.sim.trace import read_mooncake
+from router.sim.trace import TraceEntry, read_mooncake
 from worker.block_pool import Block, BlockPool
 
 REPLAY_SECRET = b"kvgrid-replay"
@@ -68,11 +68,16 @@ class TraceRequest:
 
 def load_trace(path: str | Path, tenants: int = 1, limit: int | None = None) -> list[TraceRequest]:
     """The first ``limit`` requests of a trace (``router.sim.trace.read_mooncake``), with their block keys."""
+    return trace_requests(read_mooncake(path, limit), tenants)
+
+
+def trace_requests(entries: Iterable[TraceEntry], tenants: int = 1) -> list[TraceRequest]:
+    """Trace records with their block keys (a request's tenant as ``load_trace`` says)."""
     if tenants < 1:
         raise ValueError("tenants must be >= 1")
     root_key = RootKeys(REPLAY_SECRET)
     out = []
-    for e in read_mooncake(path, limit):
+    for e in entries:
         ids = list(e.hash_ids)
         tenant = (ids[1] if len(ids) > 1 else ids[0]) % tenants if ids else 0
         keys = block_keys(ids, 1, root_key(f"tenant-{tenant}"))
@@ -278,9 +283,11 @@ def replay(
     disk_capacity_tokens: int = 0,
     host_load_tokens_per_s: float = DEFAULT_HOST_LOAD_TOKENS_PER_S,
     disk_load_tokens_per_s: float = DEFAULT_DISK_LOAD_TOKENS_PER_S,
+    index: str = "dict",
 ) -> dict:
-    """Run ``trace`` through the router and ``groups`` simulated groups (each with ``capacity_tokens`` in its GPU
-    pool, and the given host-RAM and disk tiers under it); returns the figures of the run."""
+    """Run ``trace`` through the router (its prefix index of kind ``index``) and ``groups`` simulated groups (each
+    with ``capacity_tokens`` in its GPU pool, and the given host-RAM and disk tiers under it); returns the figures
+    of the run."""
     if groups < 1 or capacity_tokens < block_size or block_size < 1:
         raise ValueError("need groups >= 1 and capacity_tokens >= block_size >= 1")
     if host_capacity_tokens < 0 or disk_capacity_tokens < 0:
@@ -294,7 +301,7 @@ def replay(
         disk_load_tokens_per_s,
     )
     sim = _Simulation(
-        groups, capacity_tokens, block_size, policy, prefill_tokens_per_s, decode_s_per_token, seed, tiers
+        groups, capacity_tokens, block_size, policy, prefill_tokens_per_s, decode_s_per_token, seed, tiers, index
     )
     bar = _progress(len(trace), progress)
     sim.run(trace, bar.update)
@@ -361,6 +368,7 @@ class _Simulation:
         decode_s_per_token: float,
         seed: int,
         tiers: _Tiers | None = None,
+        index: str = "dict",
     ) -> None:
         transport = InProcessTransport()
         names = [f"g{i}" for i in range(groups)]
@@ -380,6 +388,7 @@ class _Simulation:
             prediction_ttl_s=60.0,
             events=transport.subscribe(),
             clock=lambda: self.now,
+            index=index,
         )
         self.groups = {
             n: SimGroup(n, capacity_tokens // block_size, block_size, transport, tiers.host_blocks, tiers.disk_blocks)

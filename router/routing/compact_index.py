@@ -1,0 +1,368 @@
+"""The compact prefix index (``CompactPrefixIndex``; ``routing: {index: compact}``): which worker groups hold which
+block keys, in which tier, fed by the groups' KV events, for fleets whose index runs to tens of millions of keys.
+
+Each group gets a bit. The index is a ``KeyTable`` (``router/routing/keytable.py``): an open-addressing hash
+table in numpy arrays whose slots hold a key's code and, per tier (GPU pool, host RAM, disk), the bitmask of the
+groups holding it there: 8 bytes of key plus 3 mask words per slot (one byte each up to 8 groups), 18 to 37
+bytes per key as the load goes from 0.3 to 0.6, where a dict of bytes keys costs well over a hundred. ``match``
+walks a prompt's keys in order and returns, for every group, the length of the longest run of leading keys it
+holds in any tier, and how many of those it would load from host RAM or disk. It looks keys up a batch at a time
+with numpy (a first chunk alone, then batches eight times larger each, so a prompt no group holds costs one small
+lookup) and stops asking for chunks once no group is left.
+
+A key's code is its first 8 bytes (little-endian uint64). Block keys are cryptographic hashes (xxh3-128 or
+SHA-256 of the tenant-rooted chain), so codes are uniform and two keys rarely share one (about n²/2⁶⁵ pairs among
+n keys). A shared code makes the router believe a group holds a block it does not: a routing guess that may be
+wrong, never a wrong cache hit, because the engine matches full keys before it reuses a block.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from router.routing.index_base import TierMatch
+from router.routing.keytable import KeyTable, distinct
+
+TIER_ROWS = {Tier.GPU: 0, Tier.HOST: 1, Tier.DISK: 2}  # a tier's mask row in the table
+_ZERO_CODE = np.uint64(0x9E3779B97F4A7C15)  # the code of a key whose first 8 bytes are zero (0 marks empty slots)
+_FIRST_BATCH = 64  # keys of a prompt looked up at first; each later batch is 8 times larger
+
+
+def key_codes(keys: Sequence[bytes]) -> np.ndarray:
+    """Each key's first 8 bytes as a little-endian uint64 (a key shorter than 8 bytes padded with zeros).
+
+    Keys of one length (what a router's hash algorithm gives) are read straight from their joined bytes; the
+    length is checked on the total and on the first and last keys only, as checking every key would cost as much
+    as the rest. Keys of mixed lengths that pass this check would only make wrong codes: routing guesses."""
+    n = len(keys)
+    buf = b"".join(keys)
+    size = len(buf) // n if n else 8
+    if size * n == len(buf) and size >= 8 and (not n or len(keys[0]) == size == len(keys[-1])):
+        if size % 8 == 0:
+            codes = np.frombuffer(buf, "<u8")[:: size // 8].astype(np.uint64)
+        else:
+            codes = np.frombuffer(buf, np.uint8).reshape(n, size)[:, :8].copy().view("<u8").reshape(n)
+            codes = codes.astype(np.uint64, copy=False)
+    else:
+        raw = b"".join(k[:8].ljust(8, b"\0") for k in keys)
+        codes = np.frombuffer(raw, "<u8").astype(np.uint64)
+    if not codes.all():
+        codes[codes == 0] = _ZERO_CODE
+    return codes
+
+
+class CompactPrefixIndex:
+    def __init__(self) -> None:
+        self._table = KeyTable()
+        self._bit: dict[str, int] = {}
+        self._free_bits: list[int] = []
+        self._tiered = False  # whether a key was ever stored in host RAM or on disk (else a walk reads GPU masks only)
+
+    def __len__(self) -> int:
+        return self._table.used
+
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays."""
+        return self._table.nbytes()
+
+    def bit(self, group: str) -> int:
+        """The group's bit, adding the group if it is new."""
+        b = self._bit.get(group)
+        if b is None:
+            b = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
+            t = self._table
+            while b.bit_length() > t.word_bits * t.words:
+                t.widen()
+            self._bit[group] = b
+        return b
+
+    def _word(self, bit: int) -> tuple[int, int]:
+        """A group bit's mask word and its value there."""
+        i, width = bit.bit_length() - 1, self._table.word_bits
+        return i // width, 1 << (i % width)
+
+    def apply(self, group: str, event: KVEvent) -> None:
+        b = self.bit(group)
+        if isinstance(event, BlockStored):
+            if event.keys:
+                self._tiered |= event.tier != Tier.GPU
+                self._store(b, key_codes(event.keys), TIER_ROWS[event.tier])
+        elif isinstance(event, BlockRemoved):
+            if event.keys:
+                self._remove(b, key_codes(event.keys), TIER_ROWS[event.tier])
+        elif isinstance(event, AllCleared):
+            self._clear(b)
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+
+    def apply_many(self, events: Iterable[tuple[str, KVEvent]]) -> None:
+        """Apply a batch of ``(group, event)``: each group's events in their order, its consecutive events of one
+        kind and tier merged into one table operation. Groups' bits are independent, so the order between
+        groups does not matter."""
+        ops: dict[str, list[tuple[type, Tier | None, list[bytes]]]] = {}
+        for group, event in events:
+            run = ops.setdefault(group, [])
+            if isinstance(event, AllCleared):
+                if not run or run[-1][0] is not AllCleared:
+                    run.append((AllCleared, None, []))
+            elif isinstance(event, (BlockStored, BlockRemoved)):
+                if run and run[-1][0] is type(event) and run[-1][1] == event.tier:
+                    run[-1][2].extend(event.keys)
+                else:
+                    run.append((type(event), event.tier, list(event.keys)))
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
+        for group, run in ops.items():
+            for kind, tier, keys in run:
+                if kind is AllCleared:
+                    self.apply(group, AllCleared())
+                elif kind is BlockStored:
+                    self.apply(group, BlockStored(keys, None, tier or Tier.GPU))
+                else:
+                    self.apply(group, BlockRemoved(keys, tier or Tier.GPU))
+
+    def _store(self, bit: int, codes: np.ndarray, row: int) -> None:
+        t = self._table
+        word, value = self._word(bit)
+        slots = t.insert(codes)  # (first: it may grow the table, replacing its arrays)
+        t.masks[row, slots, word] |= t.dtype(value)
+
+    def _remove(self, bit: int, codes: np.ndarray, row: int) -> None:
+        t = self._table
+        slots = t.find(codes)
+        slots = slots[slots >= 0]
+        if not len(slots):
+            return
+        word, value = self._word(bit)
+        t.masks[row, slots, word] &= ~t.dtype(value)
+        t.delete(t.unused(distinct(slots)))
+
+    def _clear(self, bit: int) -> None:
+        """Drop the group's bit from every key (a vectorised pass over the table), and the keys left unheld."""
+        t = self._table
+        t.delete(t.unused(t.clear_bit(*self._word(bit))))
+
+    def remove_group(self, group: str) -> None:
+        """Forget a group and every entry it had (at once)."""
+        b = self._bit.pop(group, None)
+        if b is None:
+            return
+        self._clear(b)
+        self._free_bits.append(b)
+
+    def _groups_by_index(self) -> dict[int, str]:
+        return {b.bit_length() - 1: g for g, b in self._bit.items()}
+
+    def key_counts(self) -> dict[str, int]:
+        """Keys held per group (in any tier), counted from the table's masks; bits of no current group count
+        under ``"?"`` (there should be none)."""
+        by_index = self._groups_by_index()
+        out: dict[str, int] = {}
+        counts = self._table.bit_counts()
+        for i in np.flatnonzero(counts).tolist():
+            g = by_index.get(i, "?")
+            out[g] = out.get(g, 0) + int(counts[i])
+        return out
+
+    def tier_counts(self) -> dict[str, dict[str, int]]:
+        """Keys held per group and tier (a key in several tiers of a group counts in each)."""
+        per_tier = {str(t): self._table.bit_counts(row) for t, row in TIER_ROWS.items()}
+        return {g: {t: int(c[i]) for t, c in per_tier.items()} for i, g in self._groups_by_index().items()}
+
+    def holders(self, key: bytes) -> int:
+        """Bits of the groups holding ``key`` in any tier."""
+        return self.holders_many([key])[0]
+
+    def holders_many(self, keys: Sequence[bytes]) -> list[int]:
+        """``holders`` of each key, looked up together."""
+        if not keys:
+            return []
+        t = self._table
+        slots = t.find(key_codes(keys))
+        found = slots >= 0
+        held: np.ndarray = np.zeros((len(keys), t.words), t.dtype)
+        m = t.masks[:, slots[found]]
+        held[found] = m[0] | m[1] | m[2]
+        return self._ints(held)
+
+    def _ints(self, words: np.ndarray) -> list[int]:
+        """Rows of mask words as ints of group bits."""
+        if words.shape[1] == 1:
+            return words[:, 0].tolist()
+        width = self._table.word_bits
+        return [sum(int(w) << (width * j) for j, w in enumerate(row)) for row in words.tolist()]
+
+    def _words(self, values: list[int]) -> np.ndarray:
+        """Ints of group bits as rows of mask words."""
+        t = self._table
+        if t.words == 1:
+            return np.array(values, np.uint64).astype(t.dtype).reshape(-1, 1)
+        full = (1 << t.word_bits) - 1
+        return np.array([[(v >> (t.word_bits * j)) & full for j in range(t.words)] for v in values], t.dtype)
+
+    def match(self, keys: list[bytes], extra: dict[bytes, int] | None = None) -> dict[str, int]:
+        """Blocks of the longest leading run each group holds in any tier (``extra``: more holders per key, e.g.
+        predictions). Groups holding no leading block are absent."""
+        return self.match_chunks([keys], extra)
+
+    def match_chunks(self, chunks: Iterable[Sequence[bytes]], extra: dict[bytes, int] | None = None) -> dict[str, int]:
+        """``match`` over keys that arrive in chunks (computed lazily: no chunk is asked for once no group is
+        left)."""
+        return {g: t.blocks for g, t in self.match_tiers(chunks, extra).items()}
+
+    def match_tiers(
+        self, chunks: Iterable[Sequence[bytes]], extra: dict[bytes, int] | None = None
+    ) -> dict[str, TierMatch]:
+        """``match_chunks`` with each run's split by tier: of a group's run, the blocks it holds in host RAM but
+        not in its GPU pool, and those it holds on disk only. A block predicted for a group (``extra``) and not
+        held there counts as GPU (it is being computed there)."""
+        by_index = self._groups_by_index()
+        if not by_index:
+            return {}
+        width = self._table.word_bits * self._table.words
+        alive = self._words([sum(self._bit.values())])[0]
+        walk = _Walk(alive[0] if len(alive) == 1 else alive, width)
+        chunks_left = iter(chunks)
+        want = _FIRST_BATCH
+        while walk.alive.any():
+            keys: list[bytes] = []
+            for chunk in chunks_left:
+                keys.extend(chunk)
+                if len(keys) >= want:
+                    break
+            if not keys:
+                break
+            self._match_batch(walk, keys, extra)
+            want *= 8
+        walk.record(walk.alive, walk.n)
+        return {
+            by_index[i]: TierMatch(k, int(walk.host[i]), int(walk.disk[i]))
+            for i, k in walk.runs.items()
+            if k > 0 and i in by_index
+        }
+
+    def _match_batch(self, walk: _Walk, keys: list[bytes], extra: dict[bytes, int] | None) -> None:
+        """Extend the walk by ``keys``: the groups holding each of them (``extra`` counted where a group still in
+        the run lacks one), the prefix AND of those sets, and the tier split of the blocks within each run. With
+        one mask word per tier (up to 64 groups) a key's groups are one number, else a row of words."""
+        t = self._table
+        one = t.words == 1
+        masks = t.masks[:, :, 0] if one else t.masks
+        slots = t.find(key_codes(keys))
+        found = slots >= 0
+        rows = slice(None) if self._tiered else slice(0, 1)
+        if found.all():
+            tiers = masks[rows, slots]
+        else:
+            tiers = np.zeros((3 if self._tiered else 1, len(keys), *masks.shape[2:]), t.dtype)
+            tiers[:, found] = masks[rows, slots[found]]
+        lower = tiers[1] | tiers[2] if self._tiered else None
+        held = tiers[0] | lower if lower is not None else tiers[0].copy()
+        alive = walk.alive
+        if extra:  # predictions matter only for groups the index alone would drop
+            short = np.flatnonzero(_rows_differ(held & alive, alive))
+            if short.size:
+                more = [extra.get(keys[i], 0) for i in short.tolist()]
+                if any(more):
+                    words = self._words(more)
+                    held[short] |= words[:, 0] if one else words
+        run = np.bitwise_and.accumulate(held & alive, axis=0)  # groups holding every key so far
+        if _rows_differ(run[-1:], alive)[0]:  # some group dropped out in this batch: where, and which
+            before = np.empty_like(run)
+            before[0], before[1:] = alive, run[:-1]
+            for r in np.flatnonzero(_rows_differ(run, before)).tolist():
+                walk.record(before[r] & ~run[r], walk.n + r)
+        below = run & lower & ~tiers[0] if lower is not None else None  # a run's blocks in host RAM or on disk
+        if below is not None and below.any():
+            walk.host += _bit_sums(below & tiers[1], walk.host.size)
+            walk.disk += _bit_sums(below & ~tiers[1], walk.host.size)
+        walk.alive = run[-1]
+        walk.n += len(keys)
+
+    # -- snapshot ---------------------------------------------------------------------------------------------
+
+    def write(self, f: BinaryIO) -> None:
+        """Write the index to ``f`` as one buffer: a small header (the groups' bits) and the table's raw arrays."""
+        self._table.write(f, {"groups": self._bit, "free_bits": self._free_bits, "tiered": self._tiered})
+
+    @classmethod
+    def read(cls, f: BinaryIO) -> CompactPrefixIndex:
+        """An index as ``write`` wrote it."""
+        index = cls()
+        index._table, head = KeyTable.read(f)
+        index._bit = {g: int(b) for g, b in head["groups"].items()}
+        index._free_bits = [int(b) for b in head["free_bits"]]
+        index._tiered = bool(head.get("tiered", True))
+        return index
+
+    def to_bytes(self) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        self.write(buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CompactPrefixIndex:
+        import io
+
+        return cls.read(io.BytesIO(data))
+
+    def save(self, path: str | Path) -> None:
+        """``write`` to a file, through a temporary name so that a reader never sees half a snapshot."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            self.write(f)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompactPrefixIndex:
+        with open(path, "rb") as f:
+            return cls.read(f)
+
+
+class _Walk:
+    """The state of a prompt's walk through the index: the groups still in the run (mask words), the keys
+    walked, each dropped group's run length (by bit index), and per bit the run's blocks in host RAM / on disk."""
+
+    def __init__(self, alive: np.ndarray | np.generic, width: int) -> None:
+        self.alive, self.n = alive, 0
+        self.runs: dict[int, int] = {}
+        self.host = np.zeros(width, np.int64)
+        self.disk = np.zeros(width, np.int64)
+
+    def record(self, words: np.ndarray | np.generic, n: int) -> None:
+        """The groups set in ``words`` ran ``n`` blocks."""
+        bits = _int(words)
+        while bits:
+            low = bits & -bits
+            self.runs[low.bit_length() - 1] = n
+            bits ^= low
+
+
+def _int(words: np.ndarray | np.generic) -> int:
+    """Mask words (one number, or a row of words) as one int of group bits."""
+    width = words.dtype.itemsize * 8
+    return sum(int(w) << (width * j) for j, w in enumerate(np.atleast_1d(words).tolist()))
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray | np.generic) -> np.ndarray:
+    """Per row, whether ``a`` and ``b`` differ (rows of one number, or of several words)."""
+    differ = a != b
+    return differ if differ.ndim == 1 else differ.any(axis=1)
+
+
+def _bit_sums(rows: np.ndarray, width: int) -> np.ndarray:
+    """Per bit of the mask words: how many rows have it set."""
+    rows = rows.reshape(len(rows), -1)
+    if sys.byteorder == "big":
+        rows = rows.byteswap()
+    bits = np.unpackbits(np.ascontiguousarray(rows).view(np.uint8), axis=1, bitorder="little")
+    return bits.sum(axis=0, dtype=np.int64)[:width]
