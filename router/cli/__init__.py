@@ -27,6 +27,7 @@ from router.cli.serve import (
     redact_key,
     serve_config_from_args,
 )
+from router.cli.tenants import add_tenants_and_keys
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_model_path(sub)
     add_scale_and_groups(sub)
+    add_tenants_and_keys(sub)
     add_advise(sub)
     add_bench(sub)
     add_replay(sub)

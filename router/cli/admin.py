@@ -21,7 +21,7 @@ def _call(method: str, url: str, key: str, timeout: float, body: dict | None = N
         raise ValueError(f"cannot reach {url}: {exc}; check --url and that the server runs") from None
     if no_route and r.status_code == 404 and "error" not in r.text:
         raise ValueError(no_route)
-    if r.status_code != 200:
+    if r.status_code not in (200, 201):
         try:
             msg = r.json()["error"]["message"]
         except Exception:

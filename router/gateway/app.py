@@ -25,7 +25,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from router.gateway import core, usage_api
+from router.gateway import core, tenant_admin, usage_api
 from router.gateway.access import AccessLog
 from router.gateway.anthropic import serving as anthropic
 from router.gateway.core import Gateway
@@ -69,6 +69,7 @@ def create_app(gateway: Gateway, admin: FastAPI | None = None, health: Health | 
     usage_api.routes.include(app, usage)
     if admin is not None:
         usage_api.mount_admin(admin, usage)
+        tenant_admin.mount_admin(admin, gateway)  # tenants and keys at run time, the audit log
     gemini.routes.include(app, gemini.GeminiApi(gateway))
     if gateway.tracing is not None:  # each request's root span (router/gateway/tracing.py); added last: outermost
         app.add_middleware(TraceMiddleware, tracing=gateway.tracing)

@@ -47,6 +47,8 @@ from router.gateway.store import (
     UsageLedger,
     connect,
 )
+from router.gateway.tenant_registry import LiveKeys
+from router.gateway.tenant_sync import TenantSync
 from router.gateway.tenants import Tenant
 from router.gateway.tracing import Tracing
 
@@ -64,7 +66,8 @@ class Gateway:
     ) -> None:
         self.config = config
         self.model_id = config.model_id
-        self.keys = keys
+        # Tenants' keys as the tenant registry holds them (router/gateway/tenant_registry.py), the config's until read.
+        self.keys = keys = LiveKeys(keys)
         # The same limit the engine enforces.
         self.max_model_len = max_model_len(ModelConfig.from_folder(model_path), config.max_model_len)
         self.redis = connect(redis_url, config.redis_timeout_s)
@@ -114,12 +117,16 @@ class Gateway:
         )
         if self.metrics_on:
             self.replica_metrics.start()
+        # Tenants created, changed or deleted at run time, by any replica (router/gateway/tenant_sync.py).
+        self.tenant_sync = TenantSync(self, keys)
+        self.tenant_sync.start()
         # OpenTelemetry traces of the requests (router/gateway/tracing.py): None without ``tracing`` in the config.
         self.tracing = Tracing.start(config.tracing)
 
     async def close(self) -> None:
         """When the replica stops, on the loop that served it: let the background writes started by finished
         requests (cache entries, deletes) end, write the usage still buffered (Redis permitting), close Redis."""
+        await self.tenant_sync.close()
         await self.keep_alive.close()
         self.prompts.close()
         self.pool.reports.flush()

@@ -98,6 +98,10 @@ class KeyRing:
             keys["admin"] = config.admin_keys
         return cls(keys)
 
+    def hashes(self, owner: str) -> list[str]:
+        """``owner``'s key hashes (the tenant registry seeds the config's keys from them)."""
+        return list(self._hashes.get(owner, ()))
+
     def authenticate(self, tenant: str, key: str | None) -> bool:
         """Whether ``key`` is one of ``tenant``'s keys; compares with every one of its keys in constant time."""
         if not key:
