@@ -39,7 +39,7 @@ class Admission:
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
     ) -> None:
         self.tenants, self.keys, self.model_id, self.max_model_len = tenants, keys, model_id, max_model_len
-        self._request_rates, self.samples, self.spawn = request_rates, samples, spawn
+        self.request_rates, self.samples, self.spawn = request_rates, samples, spawn
 
     def auth(self, tenant: str, request: Request, api: str) -> Tenant:
         """The tenant, if the request carries one of its keys (``presented_key``). An unknown tenant gets the very
@@ -141,7 +141,7 @@ class Admission:
 
     async def admit_request(self, t: Tenant, api: str) -> None:
         """Count a request that generates nothing (count_tokens) against the tenant's request rate: 429 past it."""
-        retry_after = await self._request_rates[t.name].admit(t.name, 0)
+        retry_after = await self.request_rates[t.name].admit(t.name, 0)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
 

@@ -22,7 +22,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from common.config import ServeConfig
+from common.config import ServeConfig, TenantConfig
 from common.model_config import ModelConfig, max_model_len
 from common.sampling import SamplingParams
 from router.clients import RouterClient
@@ -75,46 +75,25 @@ class Gateway:
         self.alerts = AlertLog(self.redis)
         self.samples = PromptSamples(self.redis)
         self.entries = EntryStore(self.redis)
-        self.contents = {
-            t.name: CachedContentStore(self.redis, t.limits.max_cached_contents, t.limits.max_cached_content_tokens)
-            for t in config.tenants
-        }
-        self.tenants = {
-            t.name: Tenant(
-                t,
-                RateLimiter(self.redis, t.limits.requests_per_s, t.limits.tokens_per_min),
-                config.block_size,
-                config.monitoring,
-                config.model_id,
-            )
-            for t in config.tenants
-        }
         self.metrics_on = config.metrics.enabled  # off: no metric updates per request, no publishing
         self.accounting = Accounting(self.ledger, self.alerts, self.metrics_on)
-        # The same request counters without the token ones: what a request that generates nothing (count_tokens)
-        # counts against.
-        request_rates = {t.name: RateLimiter(self.redis, t.limits.requests_per_s, None) for t in config.tenants}
+        # Each tenant's state (``put_tenant``): the config's tenants now, the tenant registry's as they change.
+        self.tenants: dict[str, Tenant] = {}
+        self.contents: dict[str, CachedContentStore] = {}
         self.admission = Admission(
-            self.tenants,
-            keys,
-            self.model_id,
-            self.max_model_len,
-            request_rates,
-            self.samples,
-            self.accounting.spawn,
+            self.tenants, keys, self.model_id, self.max_model_len, {}, self.samples, self.accounting.spawn
         )
         self.prompts = Prompts(model_path, self.max_model_len, self.contents)
         self.pool = RouterPool([RouterClient.of(r) for r in routers])
         self.generation = Generation(self.pool, config.block_size, self.metrics_on)
         # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
-        self.keep_alive = KeepAlive(self.redis, self.tenants, self.accounting.spawn, self.ledger, self.repin)
-        self.keep_alive.start()
+        self.keep_alive = KeepAlive(self.redis, {}, self.accounting.spawn, self.ledger, self.repin)
         # Each tenant's metrics published to Redis every second and merged over the replicas at a scrape
-        # (router/gateway/replica_metrics.py); created after KeepAlive, whose counters are in the same registries.
-        self.replica_metrics = ReplicaMetrics(
-            self.redis,
-            {name: Source(t.metrics.registry, partial(tenant_extras, t.metrics)) for name, t in self.tenants.items()},
-        )
+        # (router/gateway/replica_metrics.py).
+        self.replica_metrics = ReplicaMetrics(self.redis, {})
+        for t in config.tenants:
+            self.put_tenant(t)
+        self.keep_alive.start()
         if self.metrics_on:
             self.replica_metrics.start()
         # Tenants created, changed or deleted at run time, by any replica (router/gateway/tenant_sync.py).
@@ -140,6 +119,35 @@ class Gateway:
         await self.redis.aclose()
         if self.tracing is not None:  # the spans still buffered go out (a collector that is gone: SHUTDOWN_S)
             await asyncio.to_thread(self.tracing.shutdown)
+
+    def put_tenant(self, cfg: TenantConfig) -> Tenant:
+        """This replica's state of a tenant, from ``cfg``: at start, and whenever the tenant registry adds or changes
+        one (router/gateway/tenant_sync.py). An existing tenant is updated in place, so its metrics and in-flight
+        count carry on; its rate limiters, cached-content store and keep-alive follow the new config."""
+        lim = cfg.limits
+        limiter = RateLimiter(self.redis, lim.requests_per_s, lim.tokens_per_min)
+        t = self.tenants.get(cfg.name)
+        if t is None:
+            t = Tenant(cfg, limiter, self.config.block_size, self.config.monitoring, self.model_id)
+            self.tenants[cfg.name] = t
+        else:
+            t.update(cfg, limiter)
+        self.contents[cfg.name] = CachedContentStore(self.redis, lim.max_cached_contents, lim.max_cached_content_tokens)
+        # The same request counters without the token ones: what a request that generates nothing (count_tokens)
+        # counts against.
+        self.admission.request_rates[cfg.name] = RateLimiter(self.redis, lim.requests_per_s, None)
+        self.keep_alive.set_tenant(t)  # its keep-alive series join the tenant's registry before it is published
+        if cfg.name not in self.replica_metrics.sources:
+            self.replica_metrics.sources[cfg.name] = Source(t.metrics.registry, partial(tenant_extras, t.metrics))
+        return t
+
+    def drop_tenant(self, name: str) -> None:
+        """Forget a deleted tenant: its new requests get 401; those in flight finish."""
+        self.tenants.pop(name, None)
+        self.contents.pop(name, None)
+        self.admission.request_rates.pop(name, None)
+        self.replica_metrics.sources.pop(name, None)
+        self.keep_alive.drop_tenant(name)
 
     async def repin(self, t: Tenant, tokens: list[int], ttl_s: float) -> None:
         """Pin ``tokens`` on a group for ``ttl_s`` more by the request a hit on them sends (one output token, not

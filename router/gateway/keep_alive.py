@@ -147,8 +147,8 @@ class KeepAlive:
     ) -> None:
         self.spawn, self.ledger, self.repin = spawn, ledger, repin
         self.store = EntryReuse(client)
-        self.auto = {name: t for name, t in tenants.items() if t.config.keep_alive == "auto"}
-        self.counters = {name: _TenantCounters(t) for name, t in tenants.items()}
+        self.auto: dict[str, KeptTenant] = {}
+        self.counters: dict[str, _TenantCounters] = {}
         self.fixed_period_s = period_from_env()
         self.period_s = self.fixed_period_s or MAX_PERIOD_S
         self._task: asyncio.Task | None = None
@@ -156,9 +156,25 @@ class KeepAlive:
         self._wake = asyncio.Event()
         self._closed = False
         self._applying: set[asyncio.Task] = set()  # decisions being applied (shielded from a round's cancelling)
-        for name, t in self.auto.items():
-            if (why := never_keeps(t.prices)) is not None:
-                log.warning("tenant %s has keep_alive: auto, but no entry of it is ever kept: %s", name, why)
+        for t in tenants.values():
+            self.set_tenant(t)
+
+    def set_tenant(self, t: KeptTenant) -> None:
+        """A tenant added or changed: its keep-alive series, and whether its entries are kept (``auto``)."""
+        if t.name not in self.counters:
+            self.counters[t.name] = _TenantCounters(t)
+        if t.config.keep_alive != "auto":
+            self.auto.pop(t.name, None)
+            return
+        self.auto[t.name] = t
+        if (why := never_keeps(t.prices)) is not None:
+            log.warning("tenant %s has keep_alive: auto, but no entry of it is ever kept: %s", t.name, why)
+        self.start()
+
+    def drop_tenant(self, name: str) -> None:
+        """A tenant deleted: none of its entries is kept from now on."""
+        self.auto.pop(name, None)
+        self.counters.pop(name, None)
 
     def start(self) -> None:
         """Start the background task in the running event loop (if a tenant has ``auto``; idempotent; never again

@@ -13,29 +13,22 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Protocol
 
 from common.config import TenantConfig
-from router.gateway.cached_content_store import CachedContentStore
-from router.gateway.economics import Prices
-from router.gateway.keep_alive import _TenantCounters
-from router.gateway.replica_metrics import Source, tenant_extras
-from router.gateway.store import RateLimiter, StoreUnavailable
+from router.gateway.store import StoreUnavailable
 from router.gateway.tenant_registry import LiveKeys, TenantRegistry, stored_config, tenant_config
-from router.gateway.tenants import Tenant
 
 
 class Gateway(Protocol):
-    """What of router/gateway/core.py's Gateway a tenant's state lives in (a Protocol: core imports this module)."""
+    """What of router/gateway/core.py's Gateway the sync uses (a Protocol: core imports this module)."""
 
     config: Any
     redis: Any
-    tenants: dict[str, Tenant]
-    contents: dict[str, CachedContentStore]
-    admission: Any
-    replica_metrics: Any
-    keep_alive: Any
+
+    def put_tenant(self, cfg: TenantConfig) -> Any: ...
+
+    def drop_tenant(self, name: str) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -123,10 +116,11 @@ class TenantSync:
 
     def apply(self, name: str, cfg: TenantConfig | None) -> None:
         """Rebuild this replica's state of one tenant from ``cfg`` (None: the tenant is gone)."""
-        apply_tenant(self.gw, name, cfg)
         if cfg is None:
+            self.gw.drop_tenant(name)
             self.built.pop(name, None)
         else:
+            self.gw.put_tenant(cfg)
             self.built[name] = _canon(stored_config(cfg))
         for listener in self.listeners:
             try:
@@ -137,34 +131,3 @@ class TenantSync:
 
 def _canon(stored: dict) -> str:
     return json.dumps(stored, sort_keys=True)
-
-
-def apply_tenant(gw: Gateway, name: str, cfg: TenantConfig | None) -> None:
-    """The gateway's per-tenant state for ``cfg``: the Tenant (updated in place when it exists), its rate limiters,
-    cached-content store, keep-alive and published metrics."""
-    ka = gw.keep_alive
-    if cfg is None:
-        gw.tenants.pop(name, None)
-        gw.contents.pop(name, None)
-        gw.admission._request_rates.pop(name, None)
-        gw.replica_metrics.sources.pop(name, None)
-        ka.auto.pop(name, None)
-        ka.counters.pop(name, None)
-        return
-    lim = cfg.limits
-    limiter = RateLimiter(gw.redis, lim.requests_per_s, lim.tokens_per_min)
-    t = gw.tenants.get(name)
-    if t is None:
-        t = Tenant(cfg, limiter, gw.config.block_size, gw.config.monitoring, gw.config.model_id)
-        ka.counters[name] = _TenantCounters(t)
-        gw.replica_metrics.sources[name] = Source(t.metrics.registry, partial(tenant_extras, t.metrics))
-        gw.tenants[name] = t
-    else:
-        t.config, t.limiter, t.prices = cfg, limiter, Prices.from_config(cfg.prices)
-    gw.contents[name] = CachedContentStore(gw.redis, lim.max_cached_contents, lim.max_cached_content_tokens)
-    gw.admission._request_rates[name] = RateLimiter(gw.redis, lim.requests_per_s, None)
-    if cfg.keep_alive == "auto":
-        ka.auto[name] = t
-        ka.start()
-    else:
-        ka.auto.pop(name, None)

@@ -30,6 +30,11 @@ class Tenant:
         self.prices = Prices.from_config(config.prices)
         self.inflight = 0
 
+    def update(self, config: TenantConfig, limiter: RateLimiter) -> None:
+        """A changed config (the tenant registry's): its limits and prices from now on; metrics and in-flight
+        requests carry on."""
+        self.config, self.limiter, self.prices = config, limiter, Prices.from_config(config.prices)
+
 
 class Slot:
     """One of a tenant's in-flight places in this replica; released exactly once."""
