@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export NO_MKDOCS_2_WARNING := 1  # Material 9.x's banner about MkDocs 2
 
-.PHONY: install system-tools run lint test test-fast bench docs docs-build
+.PHONY: install system-tools run lint test test-fast test-integration test-e2e bench docs docs-build
 
 $(STAMP): pyproject.toml
 	@echo "make install: creating $(VENV) (Python 3.11) and installing kvgrid with its test tools into it"
@@ -33,20 +33,28 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# tests/test_ray_up.py runs Ray's cluster launcher, which copies files to the nodes with rsync (Debian: apt-get, as
+# tests/e2e/test_ray_up.py runs Ray's cluster launcher, which copies files to the nodes with rsync (Debian: apt-get, as
 # root). Best effort: without rsync (offline, not root) that one test is skipped, saying why.
 system-tools:
 	@command -v rsync >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync) || \
-		echo "rsync could not be installed: tests/test_ray_up.py will be skipped"
+		echo "rsync could not be installed: tests/e2e/test_ray_up.py will be skipped"
 	@command -v cc >/dev/null || command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc) || \
 		echo "no C compiler could be installed: the CPU decode kernel's tests will be skipped"
 
 test: install lint system-tools
 	$(PY) -m pytest -q --durations=25
 
-# The quick loop: every test but the slow ones (Ray, kvgrid serve, anything over a few seconds). CI runs `make test`.
+# The tests come in three tiers: tests/unit (no Redis, Ray or server: the quick loop, under 2 minutes),
+# tests/integration (a real Redis or Ray, in-process gateways, subprocesses) and tests/e2e (a real `kvgrid serve`
+# over HTTP). `make test` runs all three (CI); `make test-fast` the unit tier.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit
+
+test-integration: install
+	$(PY) -m pytest -q tests/integration
+
+test-e2e: install
+	$(PY) -m pytest -q tests/e2e
 
 bench: install
 	$(VENV)/bin/kvgrid bench engine

@@ -4,7 +4,7 @@
 
 walks ``ServeConfig``'s fields recursively (every nested model: ``http``, ``tenants[]``, ``tenants[].cache``, ...)
 and writes, for every field, its dotted path, type, default, constraints and description (``Field(description=...)``),
-with each model's docstring as its section's intro. tests/test_docs.py checks that the committed page equals what
+with each model's docstring as its section's intro. tests/e2e/test_docs.py checks that the committed page equals what
 this renders, and that every field has a description.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/gen_env_reference.py
 
-writes, for every ``Var`` of ``common.env.ALL``, its name, type, default and what it does. tests/test_docs.py
+writes, for every ``Var`` of ``common.env.ALL``, its name, type, default and what it does. tests/e2e/test_docs.py
 checks that the committed page equals what this renders, and that it names every ``KVGRID_*`` variable the code
 (common/, worker/, router/) mentions.
 """

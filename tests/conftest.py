@@ -65,8 +65,8 @@ def redis_client(redis_server):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray for one test module (worker groups: tests/test_group.py, test_group_streams.py, test_kv_tiers.py,
-    test_robustness_worker.py): loopback only, 4 CPUs, no dashboard, shut down after the module."""
+    """A local Ray for one test module (worker groups: tests/integration/test_group.py, test_group_streams.py,
+    test_kv_tiers.py, test_robustness_worker.py): loopback only, 4 CPUs, no dashboard, shut down after the module."""
     import ray
 
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "disabled"

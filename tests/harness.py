@@ -278,7 +278,7 @@ def serving(
 # timing test: ~6.5k blocks a group) push blocks into host RAM and disk, which hold them all: no test loses
 # another's probes, some get them back from a lower tier.
 SHARED_INITECH_KEY = "sk-initech-test-01"
-SHARED_UMBRELLA_KEY = "sk-umbrella-test-01"  # umbrella: explicit with keep_alive: auto (tests/test_keep_alive.py)
+SHARED_UMBRELLA_KEY = "sk-umbrella-test-01"  # umbrella: explicit with keep_alive: auto (tests/e2e/test_keep_alive.py)
 SHARED_BLOCKS = 2048  # blocks of a group's pool
 SHARED_BODY = (
     f"kv_cache_bytes: {SHARED_BLOCKS * 65536}\n"
@@ -288,7 +288,7 @@ SHARED_BODY = (
     + f"""  - name: initech
     api_keys: [{SHARED_INITECH_KEY}]
     cache: {{mode: explicit, default_ttl: 5m}}
-    prices: {{preset: anthropic}}   # tests/test_economics.py, test_monitoring.py
+    prices: {{preset: anthropic}}   # tests/e2e/test_economics.py, test_monitoring.py
     advice: {{sample: 8}}
 """
     + f"""  - name: umbrella

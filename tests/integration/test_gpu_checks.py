@@ -17,7 +17,7 @@ import torch
 
 from router.cli import main as kvgrid
 
-_SPEC = importlib.util.spec_from_file_location("gpu_checks", Path(__file__).parents[1] / "bench" / "gpu_checks.py")
+_SPEC = importlib.util.spec_from_file_location("gpu_checks", Path(__file__).parents[2] / "bench" / "gpu_checks.py")
 assert _SPEC is not None and _SPEC.loader is not None
 gpu_checks = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_checks)
@@ -61,7 +61,7 @@ def test_the_engine_benchmark_imports_nothing_a_stock_pytorch_image_lacks():
     # A GPU machine's image has torch, Triton, safetensors, tokenizers, xxhash and PyYAML, not kvgrid's serving
     # stack: the checks run `worker.bench` there as it is, so none of these may load on its import path.
     code = "import sys, worker.bench; print(' '.join(sorted(m for m in sys.modules if '.' not in m)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
     assert "worker" in loaded and "torch" in loaded

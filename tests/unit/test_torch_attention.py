@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_triton_attention import TOL, make_batch, reference, rel_err
+from tests.unit.test_triton_attention import TOL, make_batch, reference, rel_err
 from worker.attention import cpu_kernel
 from worker.attention.torch_backend import TorchBackend
 

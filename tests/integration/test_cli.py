@@ -62,7 +62,7 @@ def test_demo_config_of_make_run_is_valid():
 
     from common.config import load_config
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "router" / "demo.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "router" / "demo.yaml")
     assert cfg.groups == 2 and len(cfg.tenants) == 2
 
 

@@ -1,6 +1,6 @@
 """Request ids, the access log and the probes of one gateway replica, in process (no Ray: the group and the router
 are stand-ins), and the log formats and relay records they go through (common/logs.py, common/log_relay.py).
-tests/test_health.py checks the same on a real `kvgrid serve`, where the lines reach its console."""
+tests/e2e/test_health.py checks the same on a real `kvgrid serve`, where the lines reach its console."""
 
 from __future__ import annotations
 

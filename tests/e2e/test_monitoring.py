@@ -25,7 +25,7 @@ from router.gateway.monitoring import DropAlarm, RequestTiming, ShareWindows
 from router.gateway.store import KeyRing
 
 BLOCK = 16
-DASHBOARD = Path(__file__).resolve().parent.parent / "router" / "gateway" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "router" / "gateway" / "grafana-dashboard.json"
 
 
 class Traffic:

@@ -224,7 +224,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="host_bytes"):
         KVTiersConfig(disk_path="/tmp/x", disk_bytes=10)
     assert isinstance(EngineConfig(kv_tiers={"host_bytes": 10}).kv_tiers, KVTiersConfig)  # type: ignore[arg-type]
-    assert ConfigError  # load_config wraps these errors naming the field (tests/test_config.py)
+    assert ConfigError  # load_config wraps these errors naming the field (tests/unit/test_config.py)
 
 
 def test_churn_with_small_tiers_matches_recompute(demo_path, reference, tmp_path):

@@ -25,7 +25,7 @@ import yaml
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 MKDOCS_YML = ROOT / "mkdocs.yml"
 GENERATOR = DOCS / "gen_config_reference.py"

@@ -164,7 +164,7 @@ def test_price_config_errors_name_the_field():
         PricesConfig.model_validate({"cache_read": 0.0000001})
     with pytest.raises(ValueError, match="prices"):
         ServeConfig.model_validate({"tenants": [{"name": "a", "api_keys": ["sk-a-00001"], "prices": {"inputs": 1}}]})
-    assert ConfigError  # load_config wraps the same messages (tests/test_config.py)
+    assert ConfigError  # load_config wraps the same messages (tests/unit/test_config.py)
 
 
 # -- end to end: the shared server -------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_usage_endpoint_prices_anthropic_usage_end_to_end(shared_server):
     admin = httpx.get(f"{server.base}/admin/v1/usage", headers={"x-api-key": ADMIN_KEY}, timeout=30)
     assert admin.status_code == 200
     rows = {row["tenant"]: row for row in admin.json()["tenants"]}
-    assert set(rows) == {"acme", "globex", "initech", "umbrella"}  # umbrella: tests/test_keep_alive.py
+    assert set(rows) == {"acme", "globex", "initech", "umbrella"}  # umbrella: tests/e2e/test_keep_alive.py
     assert rows["initech"]["cost_picodollars"] == after["cost_picodollars"]
     assert httpx.get(f"{server.base}/admin/v1/usage", headers=headers, timeout=30).status_code == 401
     metrics = httpx.get(f"{server.base}/admin/v1/metrics", headers={"x-api-key": ADMIN_KEY}, timeout=30).text

@@ -29,7 +29,7 @@ from worker.attention import cpu_kernel
 
 pytestmark = pytest.mark.slow  # builds the sdist and the wheel, makes a venv, imports torch in it four times
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "worker", "router")
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 

@@ -1,6 +1,6 @@
 """How `kvgrid serve` takes its HTTP port: it refuses a port something listens on, holds the port from that check
 until its gateway replicas have bound it (so no outgoing connection of the starting server can take it as its
-local port). That a failed gateway deployment says why: tests/test_frontend_placement.py."""
+local port). That a failed gateway deployment says why: tests/integration/test_frontend_placement.py."""
 
 from __future__ import annotations
 

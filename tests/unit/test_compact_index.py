@@ -266,7 +266,7 @@ def test_a_trace_replayed_on_either_index_routes_every_request_the_same():
     # indexes answer every lookup alike, or some request would land elsewhere and the figures would differ.
     from router.sim.replay import load_trace, replay
 
-    trace = load_trace(Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl")
+    trace = load_trace(Path(__file__).parents[1] / "data" / "mooncake_conversation_1500.jsonl")
     runs = [
         replay(trace, 4, 200_000, 512, host_capacity_tokens=100_000, progress=False, index=kind)
         for kind in ("dict", "compact")

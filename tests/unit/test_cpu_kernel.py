@@ -88,7 +88,7 @@ def test_without_a_compiler_attention_falls_back_to_torch(fresh, monkeypatch, ca
         assert cpu_kernel.load() is None
     assert "using the torch path" in caplog.text
     # and the backend then decodes through torch, correctly
-    from tests.test_torch_attention import DECODES, run
+    from tests.unit.test_torch_attention import DECODES, run
 
     decodes = run(DECODES, 2, 2, torch.float32)
     assert decodes.tables is None

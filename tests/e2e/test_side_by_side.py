@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # real processes started, killed and waited for: about 5 s
 
-_spec = importlib.util.spec_from_file_location("side_by_side", Path(__file__).parents[1] / "bench" / "side_by_side.py")
+_spec = importlib.util.spec_from_file_location("side_by_side", Path(__file__).parents[2] / "bench" / "side_by_side.py")
 side_by_side = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(side_by_side)
 

@@ -23,7 +23,7 @@ from worker.models import demo_model
 from worker.models.demo_model import DEMO_VARIANTS, SPECIAL_TOKENS, write_demo_model
 from worker.models.registry import resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FILES = (
     "config.json",
     "generation_config.json",

@@ -22,7 +22,7 @@ from router.routing.router import Router
 from router.sim.replay import load_trace, replay
 
 SECRET = b"tiers-routing-secret"
-TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1500.jsonl"  # see tests/data/README.md
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_1500.jsonl"  # see tests/data/README.md
 
 
 def k(i: int) -> bytes:

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from router.cli import main
-from test_gguf import FFN, HIDDEN, KV_HEADS, LAYERS, _vocab, write_llama_gguf
+from tests.integration.test_gguf import FFN, HIDDEN, KV_HEADS, LAYERS, _vocab, write_llama_gguf
 
 # Published config.json figures. GPT-3 175B (Brown et al. 2020, table 2.1) in GPT-2's key names: 96 layers,
 # d_model 12288, 96 heads of 128, context 2048, GPT-2's vocabulary.

@@ -25,7 +25,7 @@ from router.sim.loadgen import (
 )
 from router.sim.trace import TraceEntry, read_mooncake
 
-TRACE = Path(__file__).parent / "data" / "mooncake_conversation_1500.jsonl"
+TRACE = Path(__file__).parents[1] / "data" / "mooncake_conversation_1500.jsonl"
 
 
 # -- traces ------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import yaml
 
 from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, SYSTEM, TWO_TENANTS, free_port, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 # Not 127.0.0.1: a worker joining a head at 127.0.0.1 would reach it at this machine's own address instead (Ray
 # takes 127.0.0.1 for "this machine" and replaces it), and the head's Ray would announce that address too.

@@ -16,7 +16,7 @@ import yaml
 from common.config import load_config
 from router.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cluster() -> dict:
