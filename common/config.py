@@ -28,6 +28,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.checks import is_power_of_two
 from common.config_base import ConfigError, Strict as _Strict, parse_duration
+from common.config_secrets import resolve_env_refs
 from common.errors import field_path
 from common.machine import disk_tier_path, filesystem_bytes, memory_bytes
 from common.tenant_config import (
@@ -319,7 +320,20 @@ class ServeConfig(_Strict):
     admin_keys: list[str] = Field(
         [],
         description="Keys of the admin API (/admin: scaling, groups, metrics), at least 16 characters each; none: "
-        "no admin API",
+        "no admin API. Each may be ${NAME}, an environment variable's value; an example key is refused on an "
+        "http.host other machines reach",
+    )
+    redis_password: str | None = Field(
+        None,
+        min_length=1,
+        description="The password of --redis's Redis when its URL names none (before $KVGRID_REDIS_PASSWORD); "
+        "may be ${NAME}",
+    )
+    server_secret: str | None = Field(
+        None,
+        min_length=1,
+        description="The secret that salts the tenants' root keys (before $KVGRID_SECRET; default: a random one "
+        "per start); may be ${NAME}",
     )
     redis_timeout_s: float = Field(
         1.0, gt=0, le=60, description="Seconds after which a Redis call fails (503) instead of waiting"
@@ -433,7 +447,8 @@ class ServeConfig(_Strict):
         return max(1, self.rank_threads - 1)
 
 
-_SECRET_FIELDS = frozenset({"api_keys", "admin_keys"})  # an error about them never shows the value
+# An error about one of these fields never shows the value.
+_SECRET_FIELDS = frozenset({"api_keys", "admin_keys", "redis_password", "server_secret"})
 
 
 def _shown(value: object) -> str:
@@ -510,6 +525,12 @@ def load_config(path: str | Path) -> ServeConfig:
             f"{path}: the config must be a mapping of fields (got {_shown(raw)}); write it as `field: value` "
             "lines, with at least a tenants list"
         )
+    try:
+        raw = resolve_env_refs(raw)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{path}: {exc}; set it in kvgrid serve's environment, or write the value in {path}"
+        ) from None
     try:
         return ServeConfig.model_validate(raw)
     except ValidationError as exc:

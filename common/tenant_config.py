@@ -152,7 +152,7 @@ class TenantConfig(_Strict):
     api_keys: list[str] = Field(
         min_length=1,
         description="The keys its clients send (Authorization: Bearer, x-api-key or ?key=); at least 8 characters "
-        "each, each key of one tenant only",
+        "each, each key of one tenant only; each may be ${NAME}, an environment variable's value",
     )
     cache: CacheConfig = Field(CacheConfig(), description="Its prompt caching: implicit or explicit, TTL, share")
     limits: LimitsConfig = Field(LimitsConfig(), description="Its rate, size and concurrency limits")

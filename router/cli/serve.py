@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from common import env
+from common.config_secrets import is_loopback
 
 if TYPE_CHECKING:
     from common.config import ServeConfig
@@ -23,18 +24,6 @@ SERVE_FLAGS = {
     "served_model_name": ("--served-model-name", ("served_model_name",)),
 }
 DEFAULT_TENANT = "default"  # the one tenant of `kvgrid serve` without --config
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only takes connections from this machine (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
 
 
 def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str | None]:
@@ -93,7 +82,8 @@ def serve_config_from_args(args: argparse.Namespace) -> tuple[ServeConfig, str |
         raise ConfigError(config_error_message(exc, where, fix)) from None
 
 
-SECRET_FIELDS = ("api_keys", "admin_keys")  # config fields that `kvgrid config check` shows redacted
+# Config fields that `kvgrid config check` shows redacted (lists of keys, or one secret).
+SECRET_FIELDS = ("api_keys", "admin_keys", "redis_password", "server_secret")
 
 
 def redact_key(key: str) -> str:
@@ -101,13 +91,16 @@ def redact_key(key: str) -> str:
     return key[: min(6, len(key) // 3)] + "…"
 
 
+def _redact_secret(value: Any) -> Any:
+    if isinstance(value, list):
+        return [redact_key(x) for x in value]
+    return "…" if isinstance(value, str) else value  # a password or secret: not even its first characters
+
+
 def _redact(node: Any) -> Any:
     """A dumped config with every key list redacted (``SECRET_FIELDS``, wherever they are)."""
     if isinstance(node, dict):
-        return {
-            k: [redact_key(x) for x in v] if k in SECRET_FIELDS and isinstance(v, list) else _redact(v)
-            for k, v in node.items()
-        }
+        return {k: _redact_secret(v) if k in SECRET_FIELDS else _redact(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_redact(x) for x in node]
     return node

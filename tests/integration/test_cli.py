@@ -312,7 +312,7 @@ def test_config_check_prints_the_resolved_config_with_the_keys_redacted(tmp_path
     )
     assert main(["config", "check", str(path)]) == 0
     out, err = capsys.readouterr()
-    assert err == "" and "secret" not in out
+    assert err == "" and "secret-0" not in out  # no key (the field server_secret is named "secret")
     shown = yaml.safe_load(out)
     assert shown["admin_keys"] == ["adm-se…"] and shown["tenants"][0]["api_keys"] == ["sk-acm…", "sk-acm…"]
     # Every field with its value: the defaults filled in, durations in seconds.
