@@ -47,14 +47,14 @@ SECRET = Var(
     "str",
     "a random one per process",
     "The secret that salts the tenants' root keys and keys the KV tier files' MACs. Set it (the same everywhere) "
-    "for cache keys that survive a restart.",
+    "for cache keys that survive a restart. The config's `server_secret` wins over it.",
 )
 REDIS_PASSWORD = Var(
     "KVGRID_REDIS_PASSWORD",
     "str",
     "unset",
-    "The Redis password for a `--redis` URL that names none. On a cluster the head's node script sets it "
-    "(from `~/.kvgrid/redis.env`) for the head keeper.",
+    "The Redis password for a `--redis` URL that names none (the config's `redis_password` wins over it). On a "
+    "cluster the head's node script sets it (from `~/.kvgrid/redis.env`) for the head keeper.",
 )
 CACHE = Var(
     "KVGRID_CACHE",
