@@ -225,7 +225,7 @@ def test_a_trace_sizes_the_groups_and_replays(tmp_path, capsys) -> None:
     assert math.isfinite(r["imbalance"])
 
 
-def test_named_models_are_read_offline(demo_path, tmp_path, capsys) -> None:
+def test_named_models_are_read_offline(demo_path, tmp_path, capsys, monkeypatch) -> None:
     """A Hub id is read from huggingface_hub's local cache (laid out as it lays it out), never downloaded; smollm2
     only once its GGUF file is downloaded."""
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -241,4 +241,6 @@ def test_named_models_are_read_offline(demo_path, tmp_path, capsys) -> None:
     assert json.loads(found.stdout)["params"] == 5_245_184  # from config.json: no weights in the cache
     missing = subprocess.run([*run, "acme/none"], env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "not in the local Hugging Face cache" in missing.stderr
+    # A cache without smollm2's download (the session's may hold it: the real-model tests fetch it).
+    monkeypatch.setenv("KVGRID_CACHE", str(tmp_path / "empty-cache"))
     assert "run kvgrid model-path smollm2 once" in plan_error(capsys, "smollm2", "--gpu", "l4")
