@@ -34,6 +34,7 @@ from common.machine import disk_tier_path, filesystem_bytes, memory_bytes
 from common.tenant_config import (
     PRICE_FIELDS,
     AdviceConfig,
+    BudgetConfig,
     CacheConfig,
     LimitsConfig,
     MonitoringConfig,
@@ -44,6 +45,7 @@ from common.tenant_config import (
 __all__ = [
     "PRICE_FIELDS",
     "AdviceConfig",
+    "BudgetConfig",
     "CacheConfig",
     "ConfigError",
     "HttpConfig",

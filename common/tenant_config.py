@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config_base import Strict as _Strict, parse_duration
 from common.defaults import DEFAULT_PIN_TTL_S
@@ -143,6 +143,26 @@ class MonitoringConfig(_Strict):
         return parse_duration(v)  # type: ignore[arg-type]
 
 
+class BudgetConfig(_Strict):
+    """A tenant's spending budget in dollars at its prices, over a period (router/gateway/budgets.py)."""
+
+    period: Literal["daily", "monthly", "total"] = Field(
+        description="daily and monthly restart at UTC midnight / the first of the month; total never restarts"
+    )
+    soft_usd: float | None = Field(
+        None, ge=0, description="Past this many dollars an alert metric is raised and logged once a period"
+    )
+    hard_usd: float | None = Field(
+        None, ge=0, description="Past this many dollars (spent plus in flight) requests get 429 until the reset"
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> BudgetConfig:
+        if self.soft_usd is not None and self.hard_usd is not None and self.soft_usd > self.hard_usd:
+            raise ValueError("soft_usd: the soft budget must not exceed hard_usd")
+        return self
+
+
 class TenantConfig(_Strict):
     """One tenant: its own URLs (``/{name}/...``), API keys, cache, limits and prices."""
 
@@ -160,6 +180,9 @@ class TenantConfig(_Strict):
         None, description="Its price table; none: usage is counted but not priced (every cost 0)"
     )
     advice: AdviceConfig = Field(AdviceConfig(), description="The cache advisor's sample of its prompts (off)")
+    budget: BudgetConfig | None = Field(
+        None, description="Its spending budget (period, soft_usd, hard_usd); none: unlimited"
+    )
     # auto with prices that can never keep (none, or a write not dearer than a read) loads, with a warning at start.
     keep_alive: Literal["off", "auto"] = Field(
         "off",

@@ -13,7 +13,7 @@ from common.outputs import RequestOutput
 from router.gateway.access import current as current_access
 from router.gateway.economics import request_cost
 from router.gateway.store import AlertLog, UsageLedger
-from router.gateway.tenants import Tenant
+from router.gateway.tenants import Slot, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Accounting:
 
     def account(
         self,
-        t: Tenant,
+        slot: Slot,
         out: RequestOutput,
         predicted: int,
         cached: int,
@@ -54,10 +54,12 @@ class Accounting:
         ``cached`` tokens billed as cache reads, ``write`` ones as written to an entry living ``write_ttl_s`` (the
         request's pin TTL; by default the tenant's ``default_ttl``), or, with ``write_segments``, in runs of
         (tokens, TTL) that add up to ``write``. A hit-rate drop this request reveals is logged and kept for the
-        admin API."""
+        admin API. The cost is added to ``slot``'s, at which its budget is settled when the request ends."""
+        t = slot.tenant
         n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
         ttl = write_ttl_s if write_ttl_s is not None else t.config.cache.default_ttl
         cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl, write_segments)
+        slot.cost += cost.cost
         self.ledger.record(
             t.name,
             requests=1,

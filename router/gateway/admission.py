@@ -13,6 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from router.gateway.access import current as current_access
+from router.gateway.budgets import BudgetGate
 from router.gateway.chat import ChatPrompt
 from router.gateway.errors import err
 from router.gateway.store import KeyRing, PromptSamples, RateLimiter, presented_key
@@ -40,6 +41,7 @@ class Admission:
     ) -> None:
         self.tenants, self.keys, self.model_id, self.max_model_len = tenants, keys, model_id, max_model_len
         self.request_rates, self.samples, self.spawn = request_rates, samples, spawn
+        self.budgets: BudgetGate | None = None  # the tenants' budgets, set by the Gateway
 
     def auth(self, tenant: str, request: Request, api: str) -> Tenant:
         """The tenant, if the request carries one of its keys (``presented_key``). An unknown tenant gets the very
@@ -65,26 +67,27 @@ class Admission:
         except BodyError as exc:
             raise err(exc.status, exc.message, api) from None
 
-    async def held(self, t: Tenant, api: str, work: Coroutine[Any, Any, T]) -> T:
-        """Run the coroutine ``work`` in one of the tenant's in-flight places in this replica (429 when all are
-        taken); a streamed answer (``SlotStream``) keeps the place until its stream ends."""
+    async def held(self, t: Tenant, api: str, work: Callable[[Slot], Coroutine[Any, Any, T]]) -> T:
+        """Run ``work(slot)`` in one of the tenant's in-flight places in this replica (429 when all are taken); a
+        streamed answer (``SlotStream``) keeps the place until its stream ends. The work passes ``slot`` on to
+        ``admit`` and to accounting: what the request reserves and costs ends with it."""
         limit = t.config.limits.max_inflight_requests
         if t.inflight >= limit:
-            work.close()
             raise err(
                 429,
                 f"this tenant has {limit} requests in flight (limits.max_inflight_requests); retry "
                 "when one has finished",
                 api,
             )
-        slot: Slot | None = Slot(t)
+        slot = Slot(t)
+        streamed = False
         try:
-            result = await work
+            result = await work(slot)
             if isinstance(result, SlotStream):
-                result.slot, slot = slot, None
+                result.slot, streamed = slot, True
             return result
         finally:
-            if slot is not None:
+            if not streamed:
                 slot.release()
 
     def check_model(self, model: str, api: str) -> None:
@@ -112,16 +115,28 @@ class Admission:
             )
 
     async def admit(
-        self, t: Tenant, prompt: list[int], max_tokens: int, api: str, chat: ChatPrompt | None = None
+        self,
+        slot: Slot,
+        prompt: list[int],
+        max_tokens: int,
+        api: str,
+        chat: ChatPrompt | None = None,
+        write: int = 0,
+        write_ttl_s: float = 0.0,
     ) -> None:
         """Check the prompt's length and the tenant's limits before any work is done for it (``chat``: what the
-        prompt was rendered from, for the advisor's sample)."""
+        prompt was rendered from, for the advisor's sample), and reserve its worst-case cost in its budget
+        (``max_tokens`` over all choices; ``write`` tokens it may write to a cache entry living ``write_ttl_s``)
+        until ``slot`` is released."""
+        t = slot.tenant
         if not prompt:
             raise err(400, "the prompt is empty", api)
         self.check_size(t, len(prompt), max_tokens, api)
         retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+        if self.budgets is not None:
+            await self.budgets.admit(slot, len(prompt), max_tokens, api, write, write_ttl_s)
         self.sample(t, prompt, chat)
 
     def check_size(self, t: Tenant, n: int, max_tokens: int, api: str) -> None:

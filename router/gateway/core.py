@@ -28,6 +28,7 @@ from common.sampling import SamplingParams
 from router.clients import RouterClient
 from router.gateway.accounting import Accounting
 from router.gateway.admission import Admission
+from router.gateway.budgets import BudgetGate
 from router.gateway.errors import err
 from router.gateway.generation import GenerateRequest, Generation
 from router.gateway.keep_alive import KeepAlive
@@ -83,6 +84,10 @@ class Gateway:
         self.admission = Admission(
             self.tenants, keys, self.model_id, self.max_model_len, {}, self.samples, self.accounting.spawn
         )
+        # Tenants' spending budgets, reserved at admission and settled when a request ends (router/gateway/budgets.py).
+        self.budgets = BudgetGate(self.redis)
+        self.budgets.spawn, self.budgets.on_spent = self.accounting.spawn, self._budget_metrics
+        self.admission.budgets = self.budgets
         self.prompts = Prompts(model_path, self.max_model_len, self.contents)
         self.pool = RouterPool([RouterClient.of(r) for r in routers])
         self.generation = Generation(self.pool, config.block_size, self.metrics_on)
@@ -136,6 +141,7 @@ class Gateway:
         # The same request counters without the token ones: what a request that generates nothing (count_tokens)
         # counts against.
         self.admission.request_rates[cfg.name] = RateLimiter(self.redis, lim.requests_per_s, None)
+        self.budgets.set_budget(cfg.name, cfg.budget)
         self.keep_alive.set_tenant(t)  # its keep-alive series join the tenant's registry before it is published
         if cfg.name not in self.replica_metrics.sources:
             self.replica_metrics.sources[cfg.name] = Source(t.metrics.registry, partial(tenant_extras, t.metrics))
@@ -146,8 +152,14 @@ class Gateway:
         self.tenants.pop(name, None)
         self.contents.pop(name, None)
         self.admission.request_rates.pop(name, None)
+        self.budgets.set_budget(name, None)
         self.replica_metrics.sources.pop(name, None)
         self.keep_alive.drop_tenant(name)
+
+    def _budget_metrics(self, scope: str, spent: float, soft_exceeded: bool) -> None:
+        t = self.tenants.get(scope)
+        if t is not None and self.metrics_on:
+            t.metrics.budget(spent, soft_exceeded)
 
     async def repin(self, t: Tenant, tokens: list[int], ttl_s: float) -> None:
         """Pin ``tokens`` on a group for ``ttl_s`` more by the request a hit on them sends (one output token, not

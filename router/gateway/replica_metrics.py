@@ -83,6 +83,9 @@ GAUGE_RULES: dict[str, str | tuple[str, str]] = {
     "kvgrid_prefix_hit_rate_window": "ratio",  # cached / prompt tokens in the window, summed over replicas
     "kvgrid_hit_rate_drop_active": "max",  # 1 while any replica's alarm sees a drop
     "kvgrid_hit_rate_drop_block": "latest",  # the block of the newest alert, whichever replica raised it
+    # A budget's spend as each replica last settled it: it only grows within a period, so the largest is newest.
+    "kvgrid_budget_spent_dollars": "max",
+    "kvgrid_budget_soft_exceeded": "max",
 }
 
 

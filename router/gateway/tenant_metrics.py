@@ -98,6 +98,10 @@ class TenantMetrics:
         self.alert_block = Gauge(
             "kvgrid_hit_rate_drop_block", "The block where prompts stopped matching (last alert)", lbl, registry=r
         )
+        # Its budget (router/gateway/budgets.py): the period's spend as Redis last told this replica, 1 past soft.
+        self.budget_spent = Gauge("kvgrid_budget_spent_dollars", "Spent in the budget's period", lbl, registry=r)
+        self.budget_soft = Gauge("kvgrid_budget_soft_exceeded", "1 once the soft budget is passed", lbl, registry=r)
+        self.budget_refused = Counter("kvgrid_budget_refused", "Requests refused by the hard budget", lbl, registry=r)
         self.tenant = tenant
         mon = monitoring or MonitoringConfig()
         self.alarm: DropAlarm | None = None
@@ -115,7 +119,7 @@ class TenantMetrics:
             for name in (
                 *("requests", "prompt", "cached", "output", "predicted", "actual", "writes", "cost"),
                 *("uncached_cost", "alerts", "hit_rate", "alert_active", "alert_block", "ttft", "itl", "e2e"),
-                *("queue", "prefill", "decode"),
+                *("queue", "prefill", "decode", "budget_spent", "budget_soft", "budget_refused"),
             )
         }
         self._windows = {w: self.window_rate.labels(tenant, model_name, w) for w in WINDOWS}
@@ -193,3 +197,11 @@ class TenantMetrics:
             self._tiers["gpu"].inc(reused - host - disk)
             self._tiers["host"].inc(host)
             self._tiers["disk"].inc(disk)
+
+    def budget(self, spent: float, soft_exceeded: bool) -> None:
+        """The budget's spend this period and whether it passed the soft threshold."""
+        self._n["budget_spent"].set(spent)
+        self._n["budget_soft"].set(1 if soft_exceeded else 0)
+
+    def budget_refusal(self) -> None:
+        self._n["budget_refused"].inc()

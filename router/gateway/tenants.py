@@ -3,7 +3,7 @@ count) and the in-flight places its requests hold (``Slot``; ``SlotStream`` keep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -37,16 +37,23 @@ class Tenant:
 
 
 class Slot:
-    """One of a tenant's in-flight places in this replica; released exactly once."""
+    """One of a tenant's in-flight places in this replica, held by one request from admission to its end and
+    released exactly once. It carries what ends with the request: ``cost``, what the request has cost so far
+    (pico-dollars, added by accounting), and ``on_release``, run once when it is released (a budget's
+    settlement at that cost)."""
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant, self.held = tenant, True
+        self.cost = 0
+        self.on_release: list[Callable[[Slot], None]] = []
         tenant.inflight += 1
 
     def release(self) -> None:
         if self.held:
             self.held = False
             self.tenant.inflight -= 1
+            for f in self.on_release:
+                f(self)
 
 
 class SlotStream(StreamingResponse):

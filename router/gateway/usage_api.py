@@ -33,7 +33,10 @@ class UsageApi:
         self.gw = gateway
 
     async def usage_of(self, t: Tenant) -> dict:
-        return summary(t.name, t.prices, await self.gw.ledger.totals(t.name))
+        out = summary(t.name, t.prices, await self.gw.ledger.totals(t.name))
+        state = await self.gw.budgets.state(t.name)  # its budget this period (router/gateway/budgets.py)
+        out["budget"] = None if state is None else state.public()
+        return out
 
     @routes.get("/{tenant}/v1/usage")
     async def usage(self, tenant: str, request: Request):

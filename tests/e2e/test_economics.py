@@ -104,6 +104,7 @@ TENANTS = {
 def test_ledger_cost_equals_the_hand_computation_for_every_preset(demo_path, redis_client):
     from router.gateway.app import create_app
     from router.gateway.core import Gateway
+    from router.gateway.tenants import Slot
 
     config = _config(TENANTS)
     gw = Gateway(config, KeyRing.from_config(config), demo_path, [None], f"unix://{redis_client.socket_file}")
@@ -112,10 +113,11 @@ def test_ledger_cost_equals_the_hand_computation_for_every_preset(demo_path, red
 
     async def run() -> dict[str, dict]:
         for name, reqs in workloads.items():
-            t = gw.tenants[name]
+            slot = Slot(gw.tenants[name])  # the requests' in-flight place, released below
             for r in reqs:
                 out = _out(name, r["prompt"], r["output"], r["cached"])
-                gw.accounting.account(t, out, 0, r["cached"], r["write"], r["cached"], write_ttl_s=r["ttl"])
+                gw.accounting.account(slot, out, 0, r["cached"], r["write"], r["cached"], write_ttl_s=r["ttl"])
+            slot.release()
         await gw.ledger.flush()
         answers = {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:

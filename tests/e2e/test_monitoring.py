@@ -131,6 +131,7 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
     from router.gateway.admin import Admin, create_admin_app
     from router.gateway.app import create_app
     from router.gateway.core import Gateway
+    from router.gateway.tenants import Slot
 
     config = ServeConfig.model_validate(
         {
@@ -142,6 +143,7 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
     gw = Gateway(config, keys, demo_path, [None], f"unix://{redis_client.socket_file}")
     app = create_app(gw, create_admin_app(Admin(keys, ["acme"], None, [])))  # type: ignore[arg-type]
     t = gw.tenants["acme"]
+    slot = Slot(t)  # an in-flight place the fed requests are accounted to
     traffic = Traffic(3)
     t.metrics.clock = lambda: traffic.now
 
@@ -150,7 +152,7 @@ def test_a_drop_alert_is_logged_counted_and_listed_on_the_admin_api(demo_path, r
             end = traffic.now + seconds
             while traffic.now < end:
                 _, prompt, cached = traffic.step()
-                gw.accounting.account(t, _out(prompt, cached), 0, cached)
+                gw.accounting.account(slot, _out(prompt, cached), 0, cached)
 
         feed(600)
         traffic.change_prefix(21 * BLOCK)

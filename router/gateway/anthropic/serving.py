@@ -48,7 +48,7 @@ from router.gateway.errors import ApiError, err
 from router.gateway.generation import GenerateRequest
 from router.gateway.routes import Routes
 from router.gateway.runs import Run, last, primed, watched
-from router.gateway.tenants import SlotStream, Tenant
+from router.gateway.tenants import Slot, SlotStream, Tenant
 from router.gateway.tools import Call, CallStream, Tooling, anthropic_tooling, parse_calls
 
 API = "anthropic"
@@ -129,7 +129,7 @@ class AnthropicApi:
     @routes.post("/{tenant}/v1/messages")
     async def messages(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._messages(t, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._messages(slot, request))
 
     @routes.post("/{tenant}/v1/messages/count_tokens")
     async def count_tokens(self, tenant: str, request: Request):
@@ -137,7 +137,7 @@ class AnthropicApi:
         cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``. A request
         like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._count_tokens(t, request))
+        return await self.gw.admission.held(t, API, lambda _: self._count_tokens(t, request))
 
     async def _count_tokens(self, t: Tenant, request: Request):
         gw = self.gw
@@ -151,8 +151,8 @@ class AnthropicApi:
         gw.admission.check_size(t, len(prefix) + len(chat.token_ids), 0, API)
         return TokenCount(input_tokens=len(prefix) + len(chat.token_ids))
 
-    async def _messages(self, t: Tenant, request: Request):
-        gw = self.gw
+    async def _messages(self, slot: Slot, request: Request):
+        gw, t = self.gw, slot.tenant
         body: MessagesRequest = await gw.admission.body(request, MessagesRequest, API)
         gw.admission.check_model(body.model, API)
         if (refused := body.unsupported()) is not None:
@@ -162,7 +162,9 @@ class AnthropicApi:
         chat, marks = await self._prompt(t, body, tooling)
         prompt = prefix + chat.token_ids
         gw.admission.check_context(prompt, body.max_tokens, "max_tokens", API)
-        await gw.admission.admit(t, prompt, body.max_tokens, API, chat)
+        # Its budget reserves the whole prompt as written at the longest marked TTL (an upper bound).
+        mark_ttl = max((ttl for _, ttl in marks), default=0.0)
+        await gw.admission.admit(slot, prompt, body.max_tokens, API, chat, len(prompt) if marks else 0, mark_ttl)
         # Breakpoint = the tokens ending at or before the marked block's end; only whole blocks are pinned.
         bs = gw.config.block_size
         ttl_at: dict[int, float] = {}
@@ -198,7 +200,7 @@ class AnthropicApi:
         def account(out: RequestOutput, predicted: int) -> None:
             usage = self._usage(t, out, claim)
             r, w = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
-            gw.accounting.account(t, out, predicted, r, w, r, write_segments=claim.segments(claim.start(out), w))
+            gw.accounting.account(slot, out, predicted, r, w, r, write_segments=claim.segments(claim.start(out), w))
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
                     writes.append(gw.accounting.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))

@@ -18,7 +18,7 @@ from router.gateway.generation import GenerateRequest
 from router.gateway.routes import Routes
 from router.gateway.runs import last, watched
 from router.gateway.store import CachedContent, LimitExceeded
-from router.gateway.tenants import Tenant
+from router.gateway.tenants import Slot, Tenant
 
 API = "openai"  # the format of the errors
 MAX_CACHED_CONTENT_TTL_S = 7 * 24 * 3600.0
@@ -27,24 +27,26 @@ LIMIT_RETRY_AFTER_S = 60.0  # a tenant at its number or size of cached contents
 routes = Routes()  # bound to one CachedContentsApi by create_app
 
 
-async def pin_content(gw: Gateway, t: Tenant, tokens: list[int], ttl: float, request: Request, api: str) -> None:
+async def pin_content(gw: Gateway, slot: Slot, tokens: list[int], ttl: float, request: Request, api: str) -> None:
     """Compute and pin a cached content's tokens for ``ttl`` on a group, billed like a request: the prompt
     tokens, what was reused (a read) and what was computed and pinned (a write). Stopped if the client leaves."""
+    t = slot.tenant
     params = SamplingParams(max_tokens=1, temperature=0.0)
     run = gw.generation.generate(GenerateRequest(t, tokens, params, api, len(tokens), ttl, restartable=True))
     out, predicted = await last(watched(request, run, api))
     read = min(out.num_cached_tokens, len(tokens))
-    gw.accounting.account(t, out, predicted, read, write=len(tokens) - read, read=read, write_ttl_s=ttl)
+    gw.accounting.account(slot, out, predicted, read, write=len(tokens) - read, read=read, write_ttl_s=ttl)
 
 
 async def create_content(
-    gw: Gateway, t: Tenant, content: dict, chat: ChatPrompt, ttl: float, request: Request, api: str
+    gw: Gateway, slot: Slot, content: dict, chat: ChatPrompt, ttl: float, request: Request, api: str
 ) -> CachedContent:
     """Store a tenant's new cached content (``chat``: its text rendered as a system message) and pin its tokens
     (both APIs' create): the tenant's limits are checked before any compute is spent, and an object whose pin fails
     is deleted again."""
+    t = slot.tenant
     tokens = chat.token_ids
-    await gw.admission.admit(t, tokens, 1, api, chat)
+    await gw.admission.admit(slot, tokens, 1, api, chat, len(tokens), ttl)  # its budget: all written
     limit = t.config.cache.max_pinned_tokens
     if limit is not None and len(tokens) > limit:
         raise err(400, f"the content has {len(tokens)} tokens; this tenant may pin {limit}", api)
@@ -54,22 +56,23 @@ async def create_content(
     except LimitExceeded as exc:
         raise err(429, str(exc), api, LIMIT_RETRY_AFTER_S) from None
     try:
-        await pin_content(gw, t, tokens, ttl, request, api)  # computed and pinned now, so the first use is a read
+        await pin_content(gw, slot, tokens, ttl, request, api)  # computed and pinned now, so the first use is a read
     except BaseException:
         gw.accounting.spawn(store.delete(t.name, cc.id))
         raise
     return cc
 
 
-async def renew_content(gw: Gateway, t: Tenant, cid: str, ttl: float, request: Request, api: str) -> CachedContent:
+async def renew_content(gw: Gateway, slot: Slot, cid: str, ttl: float, request: Request, api: str) -> CachedContent:
     """Give a cached content a new lifetime (both APIs' update): its tokens are pinned for it first (a re-pin
     costs what computing the content costs), then the object's TTL is set; 404 if it does not exist."""
+    t = slot.tenant
     store = gw.contents[t.name]
     cc = await store.get(t.name, f"cachedContents/{cid}")
     if cc is None:
         raise err(404, f"cached content {cid!r} not found", api)
-    await gw.admission.admit(t, cc.token_ids, 1, api)
-    await pin_content(gw, t, cc.token_ids, ttl, request, api)  # pinned for the new lifetime before it is promised
+    await gw.admission.admit(slot, cc.token_ids, 1, api, None, len(cc.token_ids), ttl)
+    await pin_content(gw, slot, cc.token_ids, ttl, request, api)  # pinned for the new lifetime before it is promised
     renewed = await store.set_ttl(t.name, f"cachedContents/{cid}", ttl)
     if renewed is None:  # deleted meanwhile
         raise err(404, f"cached content {cid!r} not found", api)
@@ -86,10 +89,10 @@ class CachedContentsApi:
     @routes.post("/{tenant}/v1/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._create(t, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._create(slot, request))
 
-    async def _create(self, t: Tenant, request: Request):
-        gw = self.gw
+    async def _create(self, slot: Slot, request: Request):
+        gw, t = self.gw, slot.tenant
         body: CachedContentRequest = await gw.admission.body(request, CachedContentRequest, API)
         if body.model is not None:
             gw.admission.check_model(body.model.removeprefix("models/"), API)
@@ -98,7 +101,7 @@ class CachedContentsApi:
             raise err(400, "contents: a cached content needs some text", API)
         ttl = self._ttl(t, body.ttl)
         chat = await gw.prompts.chat(t, [{"role": "system", "content": text}], API, generation=False)
-        return (await create_content(gw, t, {"text": text}, chat, ttl, request, API)).public()
+        return (await create_content(gw, slot, {"text": text}, chat, ttl, request, API)).public()
 
     @routes.get("/{tenant}/v1/cachedContents")
     async def list_cached_contents(self, tenant: str, request: Request):
@@ -116,12 +119,12 @@ class CachedContentsApi:
     @routes.patch("/{tenant}/v1/cachedContents/{cid}")
     async def patch_cached_content(self, tenant: str, cid: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._patch(t, cid, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._patch(slot, cid, request))
 
-    async def _patch(self, t: Tenant, cid: str, request: Request):
-        gw = self.gw
+    async def _patch(self, slot: Slot, cid: str, request: Request):
+        gw, t = self.gw, slot.tenant
         body: CachedContentPatch = await gw.admission.body(request, CachedContentPatch, API)
-        return (await renew_content(gw, t, cid, self._ttl(t, body.ttl), request, API)).public()
+        return (await renew_content(gw, slot, cid, self._ttl(t, body.ttl), request, API)).public()
 
     @routes.delete("/{tenant}/v1/cachedContents/{cid}")
     async def delete_cached_content(self, tenant: str, cid: str, request: Request):

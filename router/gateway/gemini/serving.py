@@ -58,7 +58,7 @@ from router.gateway.generation import GenerateRequest
 from router.gateway.routes import Routes
 from router.gateway.runs import Run, last, primed, watched
 from router.gateway.store import CachedContent, rfc3339
-from router.gateway.tenants import SlotStream, Tenant
+from router.gateway.tenants import Slot, SlotStream, Tenant
 
 API = "gemini"
 DEFAULT_MAX_OUTPUT_TOKENS = 256
@@ -161,12 +161,12 @@ class GeminiApi:
     @routes.post("/{tenant}/v1beta/models/{model}:generateContent")
     async def generate_content(self, tenant: str, model: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._generate(t, model, request, stream=False))
+        return await self.gw.admission.held(t, API, lambda slot: self._generate(slot, model, request, stream=False))
 
     @routes.post("/{tenant}/v1beta/models/{model}:streamGenerateContent")
     async def stream_generate_content(self, tenant: str, model: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._generate(t, model, request, stream=True))
+        return await self.gw.admission.held(t, API, lambda slot: self._generate(slot, model, request, stream=True))
 
     async def _prompt(
         self, t: Tenant, model: str, body: GenerateContentRequest
@@ -194,17 +194,17 @@ class GeminiApi:
             0 if g.topK is None else int(g.topK),
         )
 
-    async def _generate(self, t: Tenant, model: str, request: Request, stream: bool):
-        gw = self.gw
+    async def _generate(self, slot: Slot, model: str, request: Request, stream: bool):
+        gw, t = self.gw, slot.tenant
         body: GenerateContentRequest = await gw.admission.body(request, GenerateContentRequest, API)
         prompt, pin, ttl, chat = await self._prompt(t, model, body)
         params = self._params(body.generationConfig)
         if body.generationConfig.maxOutputTokens is not None:  # asked for: refused if it does not fit
             gw.admission.check_context(prompt, params.max_tokens, "generationConfig.maxOutputTokens", API)
-        await gw.admission.admit(t, prompt, params.max_tokens, API, chat)
+        await gw.admission.admit(slot, prompt, params.max_tokens, API, chat)
 
         def account(out: RequestOutput, predicted: int) -> None:
-            gw.accounting.account(t, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
+            gw.accounting.account(slot, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
 
         req = GenerateRequest(t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, restartable=not stream)
         run = gw.generation.generate(req)
@@ -253,7 +253,7 @@ class GeminiApi:
     async def count_tokens(self, tenant: str, model: str, request: Request):
         """A request like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._count_tokens(t, model, request))
+        return await self.gw.admission.held(t, API, lambda _: self._count_tokens(t, model, request))
 
     async def _count_tokens(self, t: Tenant, model: str, request: Request):
         gw = self.gw
@@ -285,10 +285,10 @@ class GeminiApi:
     @routes.post("/{tenant}/v1beta/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._create(t, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._create(slot, request))
 
-    async def _create(self, t: Tenant, request: Request):
-        gw = self.gw
+    async def _create(self, slot: Slot, request: Request):
+        gw, t = self.gw, slot.tenant
         body: GeminiCachedContentRequest = await gw.admission.body(request, GeminiCachedContentRequest, API)
         gw.admission.check_model(body.model.removeprefix("models/"), API)
         _refuse_unsupported(body)
@@ -298,7 +298,7 @@ class GeminiApi:
         ttl = _lifetime(gw, t, body.ttl, body.expireTime)
         chat = await gw.prompts.chat(t, messages, API, generation=False)
         meta = {"model": f"models/{gw.model_id}", "displayName": body.displayName}
-        return self._public(await create_content(gw, t, meta, chat, ttl, request, API))
+        return self._public(await create_content(gw, slot, meta, chat, ttl, request, API))
 
     @routes.get("/{tenant}/v1beta/cachedContents")
     async def list_cached_contents(self, tenant: str, request: Request):
@@ -329,10 +329,10 @@ class GeminiApi:
     @routes.patch("/{tenant}/v1beta/cachedContents/{cid}")
     async def update_cached_content(self, tenant: str, cid: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._update(t, cid, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._update(slot, cid, request))
 
-    async def _update(self, t: Tenant, cid: str, request: Request):
-        gw = self.gw
+    async def _update(self, slot: Slot, cid: str, request: Request):
+        gw, t = self.gw, slot.tenant
         body: GeminiCachedContentPatch = await gw.admission.body(request, GeminiCachedContentPatch, API)
         mask = {m.strip() for m in (request.query_params.get("updateMask") or "").split(",") if m.strip()}
         if mask - {"ttl", "expireTime", "expire_time"}:
@@ -340,7 +340,7 @@ class GeminiApi:
         if body.ttl is None and body.expireTime is None:
             raise err(400, "ttl: give a new ttl or expireTime", API)
         ttl = _lifetime(gw, t, body.ttl, body.expireTime)
-        return self._public(await renew_content(gw, t, cid, ttl, request, API))
+        return self._public(await renew_content(gw, slot, cid, ttl, request, API))
 
     @routes.delete("/{tenant}/v1beta/cachedContents/{cid}")
     async def delete_cached_content(self, tenant: str, cid: str, request: Request):

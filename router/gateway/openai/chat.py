@@ -28,7 +28,7 @@ from router.gateway.openai.protocol import (
 )
 from router.gateway.openai.serving import API, OpenAIServing, finite
 from router.gateway.routes import Routes
-from router.gateway.tenants import Tenant
+from router.gateway.tenants import Slot
 from router.gateway.tools import CallStream, Tooling, openai_messages, openai_tooling, parse_calls, response_format
 
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -57,10 +57,10 @@ class ChatCompletions(OpenAIServing):
     @routes.post("/{tenant}/v1/chat/completions")
     async def chat_completions(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._chat_completions(t, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._chat_completions(slot, request))
 
-    async def _chat_completions(self, t: Tenant, request: Request):
-        gw = self.gw
+    async def _chat_completions(self, slot: Slot, request: Request):
+        gw, t = self.gw, slot.tenant
         body: ChatRequest = await self._read(request, ChatRequest)
         try:
             messages = openai_messages(body.messages)
@@ -76,7 +76,7 @@ class ChatCompletions(OpenAIServing):
         if body.max_completion_tokens or body.max_tokens:  # asked for: refused if it does not fit, never capped
             field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             gw.admission.check_context(prompt, max_tokens, field, API)
-        return await self._respond(t, request, body, prompt, len(prefix), ttl, max_tokens, tooling, rendered)
+        return await self._respond(slot, request, body, prompt, len(prefix), ttl, max_tokens, tooling, rendered)
 
     def _logprobs_asked(self, body: ChatRequest) -> int | None:
         return (body.top_logprobs or 0) if body.logprobs else None

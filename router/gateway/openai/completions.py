@@ -18,7 +18,7 @@ from router.gateway.openai.protocol import (
 )
 from router.gateway.openai.serving import API, OpenAIServing, finite
 from router.gateway.routes import Routes
-from router.gateway.tenants import Tenant
+from router.gateway.tenants import Slot
 from router.gateway.tools import Tooling
 
 routes = Routes()  # bound to one Completions by create_app
@@ -31,10 +31,10 @@ class Completions(OpenAIServing):
     @routes.post("/{tenant}/v1/completions")
     async def completions(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, self._completions(t, request))
+        return await self.gw.admission.held(t, API, lambda slot: self._completions(slot, request))
 
-    async def _completions(self, t: Tenant, request: Request):
-        gw = self.gw
+    async def _completions(self, slot: Slot, request: Request):
+        gw, t = self.gw, slot.tenant
         body: CompletionRequest = await self._read(request, CompletionRequest)
         prefix, ttl = await gw.prompts.cached_prefix(t, body.cached_content, API)
         if isinstance(body.prompt, str):
@@ -46,7 +46,7 @@ class Completions(OpenAIServing):
         if "max_tokens" in body.model_fields_set:  # the default (16) is capped by the engine instead
             gw.admission.check_context(prefix + tokens, body.max_tokens, "max_tokens", API)
         prompt = prefix + tokens
-        return await self._respond(t, request, body, prompt, len(prefix), ttl, body.max_tokens, Tooling())
+        return await self._respond(slot, request, body, prompt, len(prefix), ttl, body.max_tokens, Tooling())
 
     def _logprobs_asked(self, body: CompletionRequest) -> int | None:
         return body.logprobs

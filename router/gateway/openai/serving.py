@@ -37,7 +37,7 @@ from router.gateway.openai.protocol import (
 )
 from router.gateway.routes import Routes
 from router.gateway.runs import Run, primed, watched
-from router.gateway.tenants import SlotStream, Tenant
+from router.gateway.tenants import Slot, SlotStream, Tenant
 from router.gateway.tools import Tooling
 from router.gateway.wire import SseTemplate
 
@@ -146,7 +146,7 @@ class OpenAIServing:
 
     async def _respond(
         self,
-        t: Tenant,
+        slot: Slot,
         request: Request,
         body: ChatRequest | CompletionRequest,
         prompt: list[int],
@@ -159,8 +159,8 @@ class OpenAIServing:
         """Run the completion of ``prompt`` (its first ``pin`` tokens a cached content's, living ``ttl`` more) and
         answer it, streamed or whole. ``tooling``: a chat's tools and structured output (router/gateway/tools.py);
         ``rendered``: a chat's messages as the template rendered them."""
-        gw = self.gw
-        await gw.admission.admit(t, prompt, max_tokens * body.n, API, rendered)
+        gw, t = self.gw, slot.tenant
+        await gw.admission.admit(slot, prompt, max_tokens * body.n, API, rendered)
         params = gw.prompts.params(
             max_tokens,
             body.temperature,
@@ -180,7 +180,7 @@ class OpenAIServing:
             pin, ttl = len(prompt), max(ttl, PROMPT_CACHE_24H_S)
 
         def account(out: RequestOutput, predicted: int) -> None:
-            gw.accounting.account(t, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
+            gw.accounting.account(slot, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
 
         req = GenerateRequest(
             t,
