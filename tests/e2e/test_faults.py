@@ -274,15 +274,15 @@ def _run_fault(rig: Rig, kind: str, inject: Callable[[], None], is_back: Callabl
     _print_table([row])
     for r in lost[:5]:
         print(f"  lost: {r.tenant} {r.kind} at +{r.start - f.at:.1f} s: {r.detail}")
-    for line in rig.log_lines_since(log_from)[:30]:  # what the server said meanwhile (shown when the test fails)
-        print(f"  log: {line[:240]}")
     slowest = sorted(
         (r for r in load.window(pre, fault_end) if r.end > f.at and r.outcome == OK), key=lambda r: -r.latency
-    )[:3]
-    print(
+    )[:8]
+    print(  # before the log lines, which a failure report may cut
         "  slowest while recovering: "
         + ", ".join(f"{r.tenant} {r.kind} at +{r.start - f.at:.1f} s took {r.latency:.2f} s" for r in slowest)
     )
+    for line in rig.log_lines_since(log_from)[:30]:  # what the server said meanwhile (shown when the test fails)
+        print(f"  log: {line[:240]}")
 
     # The targets.
     assert len(lost) == 0, f"{kind}: {len(lost)} of {len(records)} requests lost, e.g. {[r.detail for r in lost[:3]]}"
