@@ -6,9 +6,11 @@ table in numpy arrays whose slots hold a key's code and, per tier (GPU pool, hos
 groups holding it there: 8 bytes of key plus 3 mask words per slot (one byte each up to 8 groups), 18 to 37
 bytes per key as the load goes from 0.3 to 0.6, where a dict of bytes keys costs well over a hundred. ``match``
 walks a prompt's keys in order and returns, for every group, the length of the longest run of leading keys it
-holds in any tier, and how many of those it would load from host RAM or disk. It looks keys up a batch at a time
-with numpy (a first chunk alone, then batches eight times larger each, so a prompt no group holds costs one small
-lookup) and stops asking for chunks once no group is left.
+holds in any tier, and how many of those it would load from host RAM or disk. It looks up a prompt's first 64
+keys one at a time in Python (as the dict index does: a prompt no group holds stops at its first key), then the
+rest a batch at a time with numpy (batches eight times larger each), and stops asking for chunks once no group is
+left. Events of up to a few hundred keys (what a live worker sends) are applied one key at a time in Python too;
+larger ones, in a few dozen numpy calls whatever their size.
 
 A key's code is its first 8 bytes (little-endian uint64). Block keys are cryptographic hashes (xxh3-128 or
 SHA-256 of the tenant-rooted chain), so codes are uniform and two keys rarely share one (about n²/2⁶⁵ pairs among
@@ -27,11 +29,19 @@ import numpy as np
 
 from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from router.routing.index_base import TierMatch
-from router.routing.keytable import KeyTable, distinct
+from router.routing.keytable import KeyTable
 
 TIER_ROWS = {Tier.GPU: 0, Tier.HOST: 1, Tier.DISK: 2}  # a tier's mask row in the table
 _ZERO_CODE = np.uint64(0x9E3779B97F4A7C15)  # the code of a key whose first 8 bytes are zero (0 marks empty slots)
-_FIRST_BATCH = 64  # keys of a prompt looked up at first; each later batch is 8 times larger
+_FIRST_BATCH = 64  # keys of a prompt looked up at first (one at a time); each later batch is 8 times larger
+# Keys of a table operation up to which it runs one key at a time in Python, not in numpy calls: a batch costs a
+# few dozen numpy calls whatever its size (100-400 us on the 2-core dev box), a key in Python 1-2 us.
+SMALL = 128  # stores
+SMALL_REMOVE = 384  # removals (their batch path has the most calls)
+SMALL_LOOKUP = 32  # ``holders_many`` (its batch path has the fewest) in a large table: a read there in Python
+# waits for memory, where numpy's gathers overlap their reads; in a table of up to this many slots (a few MB,
+# in the CPU's caches) up to SMALL
+CACHED_SLOTS = 1 << 18
 
 
 def key_codes(keys: Sequence[bytes]) -> np.ndarray:
@@ -57,10 +67,17 @@ def key_codes(keys: Sequence[bytes]) -> np.ndarray:
     return codes
 
 
+def small_codes(keys: Sequence[bytes]) -> list[int]:
+    """``key_codes`` as a list of ints, computed one key at a time (for a few keys: no numpy call)."""
+    zero = int(_ZERO_CODE)
+    return [int.from_bytes(k[:8], "little") or zero for k in keys]
+
+
 class CompactPrefixIndex:
     def __init__(self) -> None:
         self._table = KeyTable()
         self._bit: dict[str, int] = {}
+        self._by_bit: dict[int, str] | None = None  # (``_groups_by_bit``)
         self._free_bits: list[int] = []
         self._tiered = False  # whether a key was ever stored in host RAM or on disk (else a walk reads GPU masks only)
 
@@ -80,6 +97,7 @@ class CompactPrefixIndex:
             while b.bit_length() > t.word_bits * t.words:
                 t.widen()
             self._bit[group] = b
+            self._by_bit = None
         return b
 
     def _word(self, bit: int) -> tuple[int, int]:
@@ -92,10 +110,10 @@ class CompactPrefixIndex:
         if isinstance(event, BlockStored):
             if event.keys:
                 self._tiered |= event.tier != Tier.GPU
-                self._store(b, key_codes(event.keys), TIER_ROWS[event.tier])
+                self._store(b, event.keys, TIER_ROWS[event.tier])
         elif isinstance(event, BlockRemoved):
             if event.keys:
-                self._remove(b, key_codes(event.keys), TIER_ROWS[event.tier])
+                self._remove(b, event.keys, TIER_ROWS[event.tier])
         elif isinstance(event, AllCleared):
             self._clear(b)
         else:
@@ -105,6 +123,9 @@ class CompactPrefixIndex:
         """Apply a batch of ``(group, event)``: each group's events in their order, its consecutive events of one
         kind and tier merged into one table operation. Groups' bits are independent, so the order between
         groups does not matter."""
+        if isinstance(events, list | tuple) and len(events) == 1:  # (what a poll of a quiet stream brings)
+            self.apply(*events[0])
+            return
         ops: dict[str, list[tuple[type, Tier | None, list[bytes]]]] = {}
         for group, event in events:
             run = ops.setdefault(group, [])
@@ -127,21 +148,39 @@ class CompactPrefixIndex:
                 else:
                     self.apply(group, BlockRemoved(keys, tier or Tier.GPU))
 
-    def _store(self, bit: int, codes: np.ndarray, row: int) -> None:
+    def _store(self, bit: int, keys: Sequence[bytes], row: int) -> None:
         t = self._table
         word, value = self._word(bit)
-        slots = t.insert(codes)  # (first: it may grow the table, replacing its arrays)
+        if len(keys) <= SMALL:
+            placed = t.insert_small(small_codes(keys))
+            if placed is not None:
+                mv, words = t.mask_view, t.words
+                at = row * t.capacity * words + word
+                for s in placed:
+                    mv[at + s * words] |= value
+                return
+        slots = t.insert(key_codes(keys))  # (first: it may grow the table, replacing its arrays)
         t.masks[row, slots, word] |= t.dtype(value)
 
-    def _remove(self, bit: int, codes: np.ndarray, row: int) -> None:
+    def _remove(self, bit: int, keys: Sequence[bytes], row: int) -> None:
         t = self._table
-        slots = t.find(codes)
+        word, value = self._word(bit)
+        if len(keys) <= SMALL_REMOVE:
+            t.clear_small(small_codes(keys), row, word, value, self._tiered)
+            return
+        slots = t.find(key_codes(keys))
         slots = slots[slots >= 0]
         if not len(slots):
             return
-        word, value = self._word(bit)
-        t.masks[row, slots, word] &= ~t.dtype(value)
-        t.delete(t.unused(distinct(slots)))
+        if t.words == 1:  # a plain gather and scatter of the tier's row, and its values say which slots are free
+            column = t.masks[row, :, 0]
+            left = column.take(slots) & ~t.dtype(value)
+            column.put(slots, left)
+            doomed = t.unused(slots) if self._tiered else slots[left == 0]
+        else:
+            t.masks[row, slots, word] &= ~t.dtype(value)
+            doomed = t.unused(slots)
+        t.delete(doomed)  # (a key given twice: its slot twice, which delete allows)
 
     def _clear(self, bit: int) -> None:
         """Drop the group's bit from every key (a vectorised pass over the table), and the keys left unheld."""
@@ -153,11 +192,18 @@ class CompactPrefixIndex:
         b = self._bit.pop(group, None)
         if b is None:
             return
+        self._by_bit = None
         self._clear(b)
         self._free_bits.append(b)
 
     def _groups_by_index(self) -> dict[int, str]:
         return {b.bit_length() - 1: g for g, b in self._bit.items()}
+
+    def _groups_by_bit(self) -> dict[int, str]:
+        """Bit -> group (kept until a group is added or removed: every walk asks for it)."""
+        if self._by_bit is None:
+            self._by_bit = {b: g for g, b in self._bit.items()}
+        return self._by_bit
 
     def key_counts(self) -> dict[str, int]:
         """Keys held per group (in any tier), counted from the table's masks; bits of no current group count
@@ -184,7 +230,15 @@ class CompactPrefixIndex:
         if not keys:
             return []
         t = self._table
+        if len(keys) <= (SMALL if t.capacity <= CACHED_SLOTS else SMALL_LOOKUP) and t.words == 1:
+            mv, cap = t.mask_view, t.capacity
+            return [mv[i] | mv[cap + i] | mv[2 * cap + i] if i >= 0 else 0 for i in t.find_small(small_codes(keys))]
         slots = t.find(key_codes(keys))
+        if t.words == 1:  # one plain gather per tier (slot -1 reads the last slot: masked out after)
+            m = t.masks
+            one = m[0, :, 0].take(slots) | m[1, :, 0].take(slots) | m[2, :, 0].take(slots)
+            one[slots < 0] = 0
+            return one.tolist()
         found = slots >= 0
         held: np.ndarray = np.zeros((len(keys), t.words), t.dtype)
         m = t.masks[:, slots[found]]
@@ -222,12 +276,15 @@ class CompactPrefixIndex:
         """``match_chunks`` with each run's split by tier: of a group's run, the blocks it holds in host RAM but
         not in its GPU pool, and those it holds on disk only. A block predicted for a group (``extra``) and not
         held there counts as GPU (it is being computed there)."""
-        by_index = self._groups_by_index()
-        if not by_index:
+        by_bit = self._groups_by_bit()
+        if not by_bit:
             return {}
-        width = self._table.word_bits * self._table.words
-        alive = self._words([sum(self._bit.values())])[0]
-        walk = _Walk(alive[0] if len(alive) == 1 else alive, width)
+        t = self._table
+        if t.words == 1:
+            alive: np.ndarray | np.generic = t.dtype(sum(self._bit.values()))
+        else:
+            alive = self._words([sum(self._bit.values())])[0]
+        walk = _Walk(alive, t.word_bits * t.words)
         chunks_left = iter(chunks)
         want = _FIRST_BATCH
         while walk.alive.any():
@@ -238,14 +295,56 @@ class CompactPrefixIndex:
                     break
             if not keys:
                 break
-            self._match_batch(walk, keys, extra)
+            if walk.n == 0 and self._table.words == 1:  # the first keys one at a time: a cold prompt stops at one
+                self._match_small(walk, keys[:_FIRST_BATCH], extra)
+                if len(keys) > _FIRST_BATCH and walk.alive.any():
+                    self._match_batch(walk, keys[_FIRST_BATCH:], extra)
+            else:
+                self._match_batch(walk, keys, extra)
             want *= 8
         walk.record(walk.alive, walk.n)
+        if walk.host is None or walk.disk is None:  # (no run reached a block below a GPU pool: the usual case)
+            return {by_bit[b]: TierMatch(k) for b, k in walk.runs.items() if k > 0 and b in by_bit}
+        host, disk = walk.host.tolist(), walk.disk.tolist()
         return {
-            by_index[i]: TierMatch(k, int(walk.host[i]), int(walk.disk[i]))
-            for i, k in walk.runs.items()
-            if k > 0 and i in by_index
+            by_bit[b]: TierMatch(k, host[b.bit_length() - 1], disk[b.bit_length() - 1])
+            for b, k in walk.runs.items()
+            if k > 0 and b in by_bit
         }
+
+    def _match_small(self, walk: _Walk, keys: list[bytes], extra: dict[bytes, int] | None) -> None:
+        """``_match_batch`` one key at a time (one mask word per tier), as the dict index walks: it stops at the
+        first key that leaves no group in the run, and costs no numpy call."""
+        t = self._table
+        cv, mv, cap = t.code_view, t.mask_view, t.capacity
+        mask, tiered = cap - 1, self._tiered
+        alive, n, zero = int(walk.alive), walk.n, int(_ZERO_CODE)
+        for key in keys:
+            c = int.from_bytes(key[:8], "little") or zero
+            i = c & mask
+            while True:
+                s = cv[i]
+                if s == c:
+                    gpu = mv[i]
+                    host, disk = (mv[cap + i], mv[2 * cap + i]) if tiered else (0, 0)
+                    break
+                if not s:
+                    gpu = host = disk = 0
+                    break
+                i = (i + 1) & mask
+            m = (gpu | host | disk) & alive
+            if m != alive and extra:  # predictions matter only for groups the index alone would drop
+                m |= alive & extra.get(key, 0)
+            if m != alive:
+                walk.record(alive & ~m, n)
+                alive = m
+                if not alive:
+                    break
+            below = m & (host | disk) & ~gpu  # groups of the run that hold this block in host RAM or on disk
+            if below:
+                walk.count(below & host, below & ~host)
+            n += 1
+        walk.alive, walk.n = t.dtype(alive), n
 
     def _match_batch(self, walk: _Walk, keys: list[bytes], extra: dict[bytes, int] | None) -> None:
         """Extend the walk by ``keys``: the groups holding each of them (``extra`` counted where a group still in
@@ -280,8 +379,7 @@ class CompactPrefixIndex:
                 walk.record(before[r] & ~run[r], walk.n + r)
         below = run & lower & ~tiers[0] if lower is not None else None  # a run's blocks in host RAM or on disk
         if below is not None and below.any():
-            walk.host += _bit_sums(below & tiers[1], walk.host.size)
-            walk.disk += _bit_sums(below & ~tiers[1], walk.host.size)
+            walk.add(_bit_sums(below & tiers[1], walk.width), _bit_sums(below & ~tiers[1], walk.width))
         walk.alive = run[-1]
         walk.n += len(keys)
 
@@ -297,6 +395,7 @@ class CompactPrefixIndex:
         index = cls()
         index._table, head = KeyTable.read(f)
         index._bit = {g: int(b) for g, b in head["groups"].items()}
+        index._by_bit = None
         index._free_bits = [int(b) for b in head["free_bits"]]
         index._tiered = bool(head.get("tiered", True))
         return index
@@ -330,21 +429,41 @@ class CompactPrefixIndex:
 
 class _Walk:
     """The state of a prompt's walk through the index: the groups still in the run (mask words), the keys
-    walked, each dropped group's run length (by bit index), and per bit the run's blocks in host RAM / on disk."""
+    walked, each dropped group's run length (by its bit), and per bit the run's blocks in host RAM / on disk
+    (None until a run reaches such a block)."""
 
     def __init__(self, alive: np.ndarray | np.generic, width: int) -> None:
-        self.alive, self.n = alive, 0
+        self.alive, self.n, self.width = alive, 0, width
         self.runs: dict[int, int] = {}
-        self.host = np.zeros(width, np.int64)
-        self.disk = np.zeros(width, np.int64)
+        self.host: np.ndarray | None = None
+        self.disk: np.ndarray | None = None
 
-    def record(self, words: np.ndarray | np.generic, n: int) -> None:
-        """The groups set in ``words`` ran ``n`` blocks."""
-        bits = _int(words)
+    def add(self, host: np.ndarray, disk: np.ndarray) -> None:
+        """More blocks per bit of the runs in host RAM and on disk."""
+        if self.host is None or self.disk is None:
+            self.host, self.disk = host.copy(), disk.copy()
+        else:
+            self.host += host
+            self.disk += disk
+
+    def record(self, words: np.ndarray | np.generic | int, n: int) -> None:
+        """The groups set in ``words`` (or an int of group bits) ran ``n`` blocks."""
+        bits = words if isinstance(words, int) else _int(words)
+        runs = self.runs
         while bits:
             low = bits & -bits
-            self.runs[low.bit_length() - 1] = n
+            runs[low] = n
             bits ^= low
+
+    def count(self, host: int, disk: int) -> None:
+        """One more block in host RAM for each group set in ``host``, on disk for each set in ``disk``."""
+        if self.host is None or self.disk is None:
+            self.host, self.disk = np.zeros(self.width, np.int64), np.zeros(self.width, np.int64)
+        for bits, counts in ((host, self.host), (disk, self.disk)):
+            while bits:
+                low = bits & -bits
+                counts[low.bit_length() - 1] += 1
+                bits ^= low
 
 
 def _int(words: np.ndarray | np.generic) -> int:

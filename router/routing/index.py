@@ -2,12 +2,14 @@
 ``match`` walks a prompt's keys in order and returns, for every group, its longest leading run and how much of it
 it would load from host RAM or disk. Two implementations with the same behaviour (``routing: {index: ...}``):
 
-    dict      router/routing/dict_index.py     the default: a dict of bytes keys; the fastest lookups and events,
-                                               about 130-170 bytes per key
+    dict      router/routing/dict_index.py     the default: a dict of bytes keys; about 130-170 bytes per key, the
+                                               fastest on short prompts and small removals
     compact   router/routing/compact_index.py  an open-addressing table in numpy arrays (router/routing/keytable.py):
                                                about 15-40 bytes per key and a snapshot that is the arrays, for
-                                               fleets of tens of millions of keys; each lookup batch and event
-                                               costs a few numpy calls, so routing and small events are slower
+                                               fleets of tens of millions of keys; a few keys (small events, a
+                                               prompt's first blocks) one at a time in Python, more in numpy
+                                               batches: faster than dict on long prompts and large events, a
+                                               little slower on short prompts and small removals
 
 docs/benchmarks.md has both measured side by side."""
 

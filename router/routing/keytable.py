@@ -9,6 +9,10 @@ numpy (one loop step per probe distance, not per key). The table doubles once mo
 slots are used. Deleting a batch empties, in each cluster (run of used slots) holding doomed slots, the stretch
 from its first doomed slot to its end, but for the entries in their home slots, and inserts the entries taken out
 again: what a backward shift does one key at a time, done for every cluster at once, and it leaves no tombstones.
+
+A batch of numpy calls costs a few microseconds per call whatever its size, dozens of them per operation: a few
+codes (a live worker's event) go through the ``*_small`` methods instead, plain Python over memoryviews of the
+arrays (``code_view``, ``mask_view``) one code at a time, with a true backward shift per deleted slot.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ MIN_CAPACITY = 1024
 WINDOW = 8  # slots a lookup reads at once from each probe position (one or two cache lines)
 WIDE_WINDOW = 64  # ... once a first window did not settle a code
 _DTYPES = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+_FORMATS = {8: "B", 16: "H", 32: "I", 64: "Q"}  # memoryview formats of those dtypes
 _MAGIC = b"KVGIDX1\n"
 
 
@@ -42,6 +47,17 @@ class KeyTable:
         self._padded = padded
         self.codes = padded[: len(padded) - WINDOW]
         self._windows = np.lib.stride_tricks.sliding_window_view(padded, WINDOW)
+        self.code_view = padded.data.cast("B").cast("Q")  # the padded codes, for the one-code-at-a-time paths
+
+    @property
+    def masks(self) -> np.ndarray:
+        return self._masks
+
+    @masks.setter
+    def masks(self, masks: np.ndarray) -> None:
+        """The masks array (C-contiguous), and a flat memoryview of it (``mask_view``; set ``word_bits`` first)."""
+        self._masks = masks
+        self.mask_view = masks.data.cast("B").cast(_FORMATS[self.word_bits])  # type: ignore[call-overload]
 
     def _sync(self) -> None:
         """Copy the first slots' codes to the padding (after every change to the codes)."""
@@ -62,31 +78,27 @@ class KeyTable:
 
     def find(self, codes: np.ndarray) -> np.ndarray:
         """The slot of each code (int64), -1 where it is absent: a code is found, or known absent, at the first
-        slot of its probe sequence that holds it or is empty. Reads ``WINDOW`` slots per step (one row of
-        ``_windows``); a large batch first reads each code's home slot alone, which settles most of them."""
+        slot of its probe sequence that holds it or is empty. Reads each code's home slot alone first (one plain
+        gather, which settles most of them at the table's load), then ``WINDOW`` slots per step (one row of
+        ``_windows``: a gather of rows costs several times a plain one, so only for the codes left)."""
         n = len(codes)
-        out = np.full(n, -1, np.int64)
         if not n or not self.used:
-            return out
+            return np.full(n, -1, np.int64)
         mask = self.capacity - 1
         pos = (codes & np.uint64(mask)).astype(np.int64)
-        want = codes
-        if n > 4096:
-            seen = self.codes.take(pos)
-            hit = seen == codes
-            out[hit] = pos[hit]
-            active = np.flatnonzero(~(hit | (seen == 0)))
-            pos, want = pos[active] + 1, codes[active]
-        else:
-            active = np.arange(n)
+        seen = self.codes.take(pos)
+        hit = seen == codes
+        if hit.all():
+            return pos
+        out = np.where(hit, pos, -1)
+        active = np.flatnonzero(~hit & (seen != 0))
+        pos, want = pos[active] + 1, codes[active]
         window = WINDOW
         while active.size:
             if window == WINDOW:
                 seen = self._windows[pos & mask]
                 hit = seen == want[:, None]
                 found = hit.view(np.uint64).reshape(len(pos)) != 0  # (WINDOW is 8: a row of bools is one uint64)
-                if found.all() and len(active) == n:  # a prompt's keys, all held: the common case
-                    return (pos + hit.argmax(axis=1)) & mask
                 unsettled = (seen == 0).view(np.uint64).reshape(len(pos)) == 0
             else:
                 seen = self.codes.take((pos[:, None] + np.arange(window)) & mask)
@@ -100,6 +112,143 @@ class KeyTable:
             active, pos, want = active[more], pos[more] + window, want[more]
             window = WIDE_WINDOW  # the codes left have long probe sequences
         return out
+
+    # -- a few codes at a time ------------------------------------------------------------------------------------
+    # A live worker's event carries a few keys, and a batch of numpy calls costs a few microseconds each whatever
+    # its size: for small batches these probe one code at a time in Python, through memoryviews of the arrays
+    # (an element read or write there is a plain int operation, well under a microsecond).
+
+    def find_small(self, codes: list[int]) -> list[int]:
+        """``find`` for a few codes (ints), one at a time."""
+        cv, mask = self.code_view, self.capacity - 1
+        out = []
+        for c in codes:
+            i = c & mask
+            while True:
+                s = cv[i]
+                if s == c:
+                    out.append(i)
+                    break
+                if not s:
+                    out.append(-1)
+                    break
+                i = (i + 1) & mask
+        return out
+
+    def insert_small(self, codes: list[int]) -> list[int] | None:
+        """``insert`` for a few codes (ints), one at a time; None (nothing done) when they might take the table
+        past ``MAX_LOAD``: ``insert`` grows it first."""
+        if self.used + len(codes) > MAX_LOAD * self.capacity:
+            return None
+        cv, cap = self.code_view, self.capacity
+        mask, out = cap - 1, []
+        for c in codes:
+            i = c & mask
+            while True:
+                s = cv[i]
+                if s == c:
+                    break
+                if not s:
+                    cv[i] = c
+                    if i < WINDOW:  # (the padding repeats the first slots)
+                        cv[cap + i] = c
+                    self.used += 1
+                    break
+                i = (i + 1) & mask
+            out.append(i)
+        return out
+
+    def clear_small(self, codes: list[int], row: int, word: int, value: int, tiered: bool = True) -> None:
+        """Clear bit ``value`` of mask word ``word`` in tier ``row`` of each code's slot, emptying a slot left with
+        no bit (a backward shift: the later entries of its cluster that may move back into the hole do). Each
+        code is looked up after the previous one's shift, which may have moved it. ``tiered`` False: no slot has
+        a bit in another tier than the GPU pool's (row 0), so that row alone says whether a slot is used."""
+        cv, mv, cap, words = self.code_view, self.mask_view, self.capacity, self.words
+        mask, keep, at = cap - 1, ~value, row * cap * words + word
+        if words == 1:
+            self._clear_small_1(codes, at, keep, tiered or row != 0)
+            return
+        rows = [r * cap * words for r in range(TIERS)]
+        for c in codes:
+            i = c & mask
+            while True:
+                s = cv[i]
+                if s == c:
+                    break
+                if not s:
+                    i = -1
+                    break
+                i = (i + 1) & mask
+            if i < 0:
+                continue
+            mv[at + i * words] &= keep
+            if not any(mv[r + i * words + w] for r in rows for w in range(words)):
+                self._shift_out(i)
+
+    def _clear_small_1(self, codes: list[int], at: int, keep: int, tiered: bool) -> None:
+        """``clear_small`` with one mask word per tier, in one loop (the backward shift inlined): the path of a
+        live worker's removal events, at about a microsecond per key."""
+        cv, mv, cap = self.code_view, self.mask_view, self.capacity
+        mask, cap2, used = cap - 1, 2 * cap, self.used
+        for c in codes:
+            i = c & mask
+            s = cv[i]
+            while s != c:
+                if not s:
+                    break
+                i = (i + 1) & mask
+                s = cv[i]
+            if s != c:
+                continue
+            mv[at + i] &= keep
+            if mv[i] or tiered and (mv[cap + i] or mv[cap2 + i]):
+                continue
+            hole = j = i
+            while True:
+                j = (j + 1) & mask
+                x = cv[j]
+                if not x:
+                    break
+                if ((x & mask) - hole - 1) & mask < (j - hole) & mask:  # its home is in (hole, j]: it stays
+                    continue
+                cv[hole] = x
+                if hole < WINDOW:
+                    cv[cap + hole] = x
+                mv[hole], mv[cap + hole], mv[cap2 + hole] = mv[j], mv[cap + j], mv[cap2 + j]
+                hole = j
+            cv[hole] = mv[hole] = mv[cap + hole] = mv[cap2 + hole] = 0
+            if hole < WINDOW:
+                cv[cap + hole] = 0
+            used -= 1
+        self.used = used
+
+    def _shift_out(self, hole: int) -> None:
+        """Empty used slot ``hole`` (its masks zero): each later entry of its cluster whose home is not between
+        the hole and itself moves back into the hole, which moves to where that entry was."""
+        cv, mv, cap, words = self.code_view, self.mask_view, self.capacity, self.words
+        mask, j = cap - 1, hole
+        rows = (0, cap * words, 2 * cap * words)
+        while True:
+            j = (j + 1) & mask
+            c = cv[j]
+            if not c:
+                break
+            if ((c & mask) - hole - 1) & mask < (j - hole) & mask:  # its home is in (hole, j]: it stays
+                continue
+            cv[hole] = c
+            if hole < WINDOW:
+                cv[cap + hole] = c
+            for base in rows:
+                for w in range(words):
+                    mv[base + hole * words + w] = mv[base + j * words + w]
+            hole = j
+        cv[hole] = 0
+        if hole < WINDOW:
+            cv[cap + hole] = 0
+        for base in rows:
+            for w in range(words):
+                mv[base + hole * words + w] = 0
+        self.used -= 1
 
     # -- changes --------------------------------------------------------------------------------------------------
 
@@ -161,18 +310,20 @@ class KeyTable:
     def _rebuild(self, capacity: int) -> None:
         """Insert every entry again into fresh arrays of ``capacity`` slots."""
         live = np.flatnonzero(self.codes)
-        codes, masks = self.codes[live], self.masks[:, live]
+        codes, masks = self.codes[live], self.masks_at(live)
         del live
         self._set_codes(np.zeros(capacity + WINDOW, np.uint64))
         self.masks = np.zeros((TIERS, capacity, self.words), self.dtype)
         slots, _ = self._place(codes)
-        self.masks[:, slots] = masks
+        self.set_masks(slots, masks)
 
     def delete(self, slots: np.ndarray) -> None:
-        """Empty these (distinct, used) slots, keeping every other entry findable."""
+        """Empty these used slots (a slot may be given twice), keeping every other entry findable. Their masks
+        must be zero already (``unused``): only the entries that move carry theirs."""
         if not len(slots):
             return
         if len(slots) * 8 > self.used:  # a large share of the table: insert the survivors into fresh arrays
+            slots = distinct(slots)
             self.codes[slots] = 0
             self.masks[:, slots] = 0
             self.used -= len(slots)
@@ -180,33 +331,65 @@ class KeyTable:
             return
         # The entries from a doomed slot to the end of its cluster (the next empty slot) may have probed past
         # it: empty that stretch, from the cluster's first doomed slot, and insert its other entries again.
-        mask = self.capacity - 1
+        # A doomed slot followed by an empty one ends its cluster: it is just emptied (at the table's load, most
+        # are). For the others one sort finds, per cluster (named by its end), that first doomed slot (the
+        # farthest from the end), and drops repeated slots: (cluster, distance to its end) packed in an int64.
+        mask, shift = self.capacity - 1, self.capacity.bit_length() - 1
+        inner = self.codes.take((slots + 1) & mask) != 0
+        tail, slots = slots[~inner], slots[inner]
+        if len(tail):  # emptied below with the others; counted here, once each (a slot may be given twice)
+            tags = np.arange(1, len(tail) + 1, dtype=np.uint64)
+            self.codes[tail] = tags
+            self.used -= int(np.count_nonzero(self.codes.take(tail) == tags))
+            self.codes[tail] = 0
+            if not len(slots):
+                self._sync()
+                return
         end = self._empty_after(slots)
-        reach, cluster_of = end - slots, end & mask
-        order = np.lexsort((reach, cluster_of))
-        last = np.ones(len(order), bool)  # per cluster, the doomed slot farthest from its end (sorted last)
-        last[:-1] = cluster_of[order[1:]] != cluster_of[order[:-1]]
-        first, length = slots[order[last]], reach[order[last]]
+        packed = ((end & mask) << shift) | (end - slots)
+        packed.sort()
+        fresh = np.ones(len(packed), bool)
+        fresh[1:] = packed[1:] != packed[:-1]
+        packed = packed[fresh]  # one per distinct slot
+        cluster_of = packed >> shift
+        last = np.ones(len(packed), bool)  # per cluster, its largest distance (sorted last)
+        last[:-1] = cluster_of[1:] != cluster_of[:-1]
+        length = packed[last] & mask
+        first = (cluster_of[last] - length) & mask
         offsets = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
-        cluster = (np.repeat(first, length) + offsets) & mask
+        stretch = (np.repeat(first, length) + offsets) & mask
+        self.codes[slots] = 0  # the doomed first: they read as empty below
+        held = self.codes[stretch]
         # An entry in its home slot stays (its probe sequence is that slot alone); the others move.
-        cluster = cluster[(self.codes[cluster] & np.uint64(mask)).astype(np.int64) != cluster]
-        cluster = np.concatenate([cluster, slots])  # (a doomed slot may be a home slot)
-        move = cluster[: len(cluster) - len(slots)]
-        move = move[~contains(np.sort(slots), move)]
-        codes, masks = self.codes[move], self.masks[:, move]
-        self.codes[cluster] = 0
+        move = stretch[(held != 0) & ((held & np.uint64(mask)).astype(np.int64) != stretch)]
+        codes, masks = self.codes[move], self.masks_at(move)
+        self.codes[move] = 0
         self._sync()
-        self.masks[:, cluster] = 0
-        self.used -= len(slots)
-        self.masks[:, self._place(codes)[0]] = masks
+        self.set_masks(move, 0)
+        self.used -= len(packed)
+        self.set_masks(self._place(codes)[0], masks)
+
+    def masks_at(self, slots: np.ndarray) -> np.ndarray:
+        """The masks of these slots, shape ``(TIERS, len(slots), words)``: with one word, a plain gather per tier
+        (several times faster than numpy's general indexing of the 3-d array)."""
+        if self.words > 1:
+            return self.masks[:, slots]
+        return np.stack([self.masks[r, :, 0].take(slots) for r in range(TIERS)])[:, :, None]
+
+    def set_masks(self, slots: np.ndarray, values: np.ndarray | int) -> None:
+        """Set the masks of these slots (``values`` as ``masks_at`` gives them, or one number)."""
+        if self.words > 1:
+            self.masks[:, slots] = values
+            return
+        for r in range(TIERS):
+            self.masks[r, :, 0].put(slots, values if isinstance(values, int) else values[r, :, 0])
 
     def _empty_after(self, slots: np.ndarray) -> np.ndarray:
         """For each slot, the position (not wrapped into the table) of the first empty slot after it."""
         mask = self.capacity - 1
-        out = np.empty(len(slots), np.int64)
+        out = slots.astype(np.int64) + 1
         active = np.arange(len(slots))
-        pos = slots.astype(np.int64) + 1
+        pos = out.copy()
         while active.size:
             empty = self._windows[pos & mask] == 0
             done = empty.view(np.uint64).reshape(len(pos)) != 0  # any empty slot among the WINDOW
@@ -234,6 +417,9 @@ class KeyTable:
 
     def unused(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` whose masks hold no bit in any tier."""
+        if self.words == 1:  # (three plain gathers: much faster than one of all three rows, then a reduction)
+            m = self.masks
+            return slots[(m[0, :, 0].take(slots) | m[1, :, 0].take(slots) | m[2, :, 0].take(slots)) == 0]
         return slots[~self.masks[:, slots].any(axis=(0, 2))]
 
     # -- counts ---------------------------------------------------------------------------------------------------
@@ -286,12 +472,6 @@ def distinct(values: np.ndarray) -> np.ndarray:
     first = np.ones(len(values), bool)
     first[1:] = ordered[1:] != ordered[:-1]
     return ordered[first]
-
-
-def contains(ordered: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Whether each of ``values`` is in the sorted, non-empty array ``ordered``."""
-    at = np.minimum(np.searchsorted(ordered, values), len(ordered) - 1)
-    return ordered[at] == values
 
 
 def _read_into(f: BinaryIO, arr: np.ndarray) -> None:

@@ -70,15 +70,23 @@ def route_latency(
         ("cold (new prompt each call)", lambda: [rng.randrange(32000) for _ in range(prompt_tokens)]),
         ("fully cached prompt", lambda: cached),
     ):
-        lat = []
+        lat, cpu = [], []
         for i in range(calls):
             prompt = make()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             d = router.route("acme", prompt, f"{label}-{i}")
             lat.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c)
             router.on_finish(d.request_id)
         lat.sort()
-        results[label] = {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(0.99 * len(lat))] * 1e3}
+        cpu.sort()
+        results[label] = {
+            "p50_ms": lat[len(lat) // 2] * 1e3,
+            "p99_ms": lat[int(0.99 * len(lat))] * 1e3,
+            # The call's own CPU time: what it costs without the waits for a core on a shared machine.
+            "cpu_p50_ms": cpu[len(cpu) // 2] * 1e3,
+            "cpu_p99_ms": cpu[int(0.99 * len(cpu))] * 1e3,
+        }
     _print(results, prompt_tokens, block_size, groups, calls)
     return results
 
@@ -89,9 +97,10 @@ def _event_rates(router: Router, rng: random.Random, names: list[str]) -> dict:
     out = {}
     keys = _keys(rng, 100_000)
     for label, event in (("store", BlockStored(keys, None)), ("remove", BlockRemoved(keys))):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         router.apply_event(names[1 % len(names)], event)
         out[f"{label}_keys_per_s"] = len(keys) / (time.perf_counter() - t)
+        out[f"{label}_keys_per_cpu_s"] = len(keys) / max(1e-9, time.thread_time() - c)
     keys = _keys(rng, 64_000)
     for label in ("store", "remove"):
         batch: list[tuple[str, KVEvent]] = [
@@ -101,9 +110,10 @@ def _event_rates(router: Router, rng: random.Random, names: list[str]) -> dict:
             )
             for i in range(0, len(keys), 64)
         ]
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         router.apply_events(batch)
         out[f"small_{label}_keys_per_s"] = len(keys) / (time.perf_counter() - t)
+        out[f"small_{label}_keys_per_cpu_s"] = len(keys) / max(1e-9, time.thread_time() - c)
     return out
 
 
@@ -131,7 +141,10 @@ def _print(r: dict, prompt_tokens: int, block_size: int, groups: int, calls: int
     )
     for label in ("cold (new prompt each call)", "fully cached prompt"):
         p = r[label]
-        print(f"  {label:30s} p50 {p['p50_ms']:.3f} ms   p99 {p['p99_ms']:.3f} ms   (target p99 <= 1 ms)")
+        print(
+            f"  {label:30s} p50 {p['p50_ms']:.3f} ms   p99 {p['p99_ms']:.3f} ms   (target p99 <= 1 ms); its CPU time: "
+            f"p50 {p['cpu_p50_ms']:.3f} ms   p99 {p['cpu_p99_ms']:.3f} ms"
+        )
     arrays = (
         f"{r['index_bytes'] / mib:.0f} MiB of arrays, {r['index_bytes_per_key']:.1f} bytes/key (numpy nbytes); "
         if "index_bytes" in r
@@ -145,7 +158,9 @@ def _print(r: dict, prompt_tokens: int, block_size: int, groups: int, calls: int
         f"event application: fill {r['fill_keys_per_s'] / 1e6:.2f} M keys/s (1M-key events, growth included); "
         f"100k-key events: store {r['store_keys_per_s'] / 1e6:.2f}, remove {r['remove_keys_per_s'] / 1e6:.2f} "
         f"M keys/s; 64-key events in batches of 1000: store {r['small_store_keys_per_s'] / 1e6:.2f}, remove "
-        f"{r['small_remove_keys_per_s'] / 1e6:.2f} M keys/s   (target >= 5M keys/s)"
+        f"{r['small_remove_keys_per_s'] / 1e6:.2f} M keys/s   (target >= 5M keys/s); per second of CPU time: "
+        f"{r['store_keys_per_cpu_s'] / 1e6:.2f}, {r['remove_keys_per_cpu_s'] / 1e6:.2f}; "
+        f"{r['small_store_keys_per_cpu_s'] / 1e6:.2f}, {r['small_remove_keys_per_cpu_s'] / 1e6:.2f}"
     )
     if "snapshot_bytes" in r:
         print(
