@@ -40,6 +40,7 @@ from common.tenant_config import (
     MonitoringConfig,
     PricesConfig,
     TenantConfig,
+    adapter_problem,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "HttpConfig",
     "KVTiersServeConfig",
     "LimitsConfig",
+    "LoraConfig",
     "LoggingConfig",
     "MetricsConfig",
     "MonitoringConfig",
@@ -242,6 +244,18 @@ class RoutingConfig(_Strict):
     )
 
 
+class LoraConfig(_Strict):
+    """Every group's LoRA adapter slots (the tenants' ``adapters``)."""
+
+    max_loras: int = Field(
+        8, ge=1, le=64, description="Adapters resident on a group's device at once: one step mixes at most this many"
+    )
+    max_lora_rank: int = Field(64, ge=1, le=512, description="The largest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int = Field(
+        32, ge=1, description="Adapters kept in host memory after leaving the device (beyond: read from disk again)"
+    )
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry traces of the requests (router/gateway/tracing.py; off without this section): one trace per
     request, exported over OTLP/HTTP by every gateway replica, with spans for auth, the chat template,
@@ -374,6 +388,7 @@ class ServeConfig(_Strict):
         KVTiersServeConfig(), description="Host RAM and disk tiers under every group's KV cache (off)"
     )
     routing: RoutingConfig = Field(RoutingConfig(), description="The router's cost of hits in host RAM or on disk")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapter slots per group (tenants' adapters)")
     monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Every tenant's hit-rate drop alarm")
     metrics: MetricsConfig = Field(MetricsConfig(), description="The tenants' Prometheus metrics (on)")
     logging: LoggingConfig = Field(
@@ -430,6 +445,10 @@ class ServeConfig(_Strict):
             raise ValueError("an admin key cannot also be a tenant's API key")
         if self.max_groups is not None and self.max_groups < self.groups:
             raise ValueError("max_groups must be >= groups")
+        for i, t in enumerate(self.tenants):
+            problem = adapter_problem(t, self.model_id, self.lora.max_lora_rank)
+            if problem is not None:
+                raise ValueError(f"tenants[{i}].{problem}")
         return self
 
     @property

@@ -21,6 +21,9 @@ import xxhash
 HASH_ALGOS = ("xxh3_128", "sha256")
 
 _ROOT_DOMAIN = b"kvgrid/tenant-root/v1\x00"
+# A root under a LoRA adapter: its own domain (no message under it equals a plain tenant's) and the tenant's length
+# before it, so no (tenant, adapter) pair reads as another.
+_ADAPTER_ROOT_DOMAIN = b"kvgrid/tenant-lora-root/v1\x00"
 
 
 def _check_algo(algo: str) -> None:
@@ -39,11 +42,13 @@ def new_secret() -> bytes:
     return os.urandom(32)
 
 
-def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128") -> bytes:
+def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128", adapter: str | None = None) -> bytes:
     """The parent key of a tenant's first block: HMAC-SHA256(secret, tenant), cut to the key size.
 
     It is a keyed hash so that nobody without the server secret can compute another tenant's keys, and
-    two tenants never share a root (and so never share a block).
+    two tenants never share a root (and so never share a block). With ``adapter`` (a LoRA adapter's id) the
+    HMAC covers the tenant and the adapter: blocks computed under one adapter never match the base model's or
+    another adapter's.
     """
     _check_algo(algo)
     if isinstance(secret, str):
@@ -52,22 +57,30 @@ def tenant_root_key(secret: bytes | str, tenant: str, algo: str = "xxh3_128") ->
         raise ValueError("the server secret must not be empty")
     if not isinstance(tenant, str) or not tenant:
         raise ValueError("tenant must be a non-empty string")
-    mac = hmac.new(secret, _ROOT_DOMAIN + tenant.encode(), hashlib.sha256).digest()
+    if adapter is None:
+        msg = _ROOT_DOMAIN + tenant.encode()
+    else:
+        if not isinstance(adapter, str) or not adapter:
+            raise ValueError("adapter must be a non-empty string (an adapter id) or None")
+        name = tenant.encode()
+        msg = _ADAPTER_ROOT_DOMAIN + len(name).to_bytes(4, "big") + name + adapter.encode()
+    mac = hmac.new(secret, msg, hashlib.sha256).digest()
     return mac[: key_size(algo)]
 
 
 class RootKeys:
-    """The root keys of every tenant seen so far under one secret and hash algorithm, each computed once (the
-    router and the engine ask for one per request). Server side only: a root key is never sent to a client."""
+    """The root keys of every tenant (and LoRA adapter under it) seen so far under one secret and hash algorithm,
+    each computed once (the router and the engine ask for one per request). Server side only: a root key is never
+    sent to a client."""
 
     def __init__(self, secret: bytes | str, algo: str = "xxh3_128") -> None:
         self.secret, self.algo = secret, algo
-        self._keys: dict[str, bytes] = {}
+        self._keys: dict[tuple[str, str | None], bytes] = {}
 
-    def __call__(self, tenant: str) -> bytes:
-        key = self._keys.get(tenant)
+    def __call__(self, tenant: str, adapter: str | None = None) -> bytes:
+        key = self._keys.get((tenant, adapter))
         if key is None:
-            key = self._keys[tenant] = tenant_root_key(self.secret, tenant, self.algo)
+            key = self._keys[(tenant, adapter)] = tenant_root_key(self.secret, tenant, self.algo, adapter)
         return key
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from common.errors import RequestAborted, RequestFailed
+from common.lora import AdapterRef
 from common.outputs import RequestOutput, Timings
 from common.sampling import SamplingParams
 
@@ -41,6 +42,7 @@ class Submit:
     pin_tokens: int = 0
     pin_ttl_s: float = 300.0
     n: int = 1  # choices of the prompt (computed once); each of their deltas carries its ``index``
+    adapter: AdapterRef | None = None  # the LoRA adapter to run under (None: the base model)
 
     def named(self) -> Submit:
         """This request with a request id: its own, else a fresh one."""

@@ -56,3 +56,4 @@ class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
+    lora_adapters: list[str] = field(default_factory=list)  # ids of the LoRA adapters loaded in device slots

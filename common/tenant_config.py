@@ -10,6 +10,9 @@ from pydantic import Field, field_validator, model_validator
 
 from common.config_base import Strict as _Strict, parse_duration
 from common.defaults import DEFAULT_PIN_TTL_S
+from common.lora import AdapterError, read_adapter
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a request's model field names one
 
 
 class CacheConfig(_Strict):
@@ -71,6 +74,9 @@ class LimitsConfig(_Strict):
     )
     max_cached_content_tokens: int = Field(
         1_000_000, ge=0, description="The tokens of all live cached contents together; past it a create is refused"
+    )
+    max_adapters: int = Field(
+        8, ge=0, description="LoRA adapters the tenant may have (``adapters``), in the config or added at run time"
     )
 
 
@@ -163,6 +169,22 @@ class BudgetConfig(_Strict):
         return self
 
 
+class KeyLimitsConfig(_Strict):
+    """One API key's own limits, within its tenant's (both must take a request)."""
+
+    requests_per_s: int | None = Field(None, ge=1, description="Requests per second with this key (none: no limit)")
+    tokens_per_min: int | None = Field(
+        None, ge=1, description="Prompt plus max output tokens per minute with this key (none: no limit)"
+    )
+
+
+class KeyConfig(_Strict):
+    """What an API key made by the admin API may carry besides its tenant's settings."""
+
+    limits: KeyLimitsConfig | None = Field(None, description="Its own rate limits, over every gateway replica")
+    budget: BudgetConfig | None = Field(None, description="Its own spending budget, within the tenant's")
+
+
 class TenantConfig(_Strict):
     """One tenant: its own URLs (``/{name}/...``), API keys, cache, limits and prices."""
 
@@ -183,6 +205,11 @@ class TenantConfig(_Strict):
     budget: BudgetConfig | None = Field(
         None, description="Its spending budget (period, soft_usd, hard_usd); none: unlimited"
     )
+    adapters: dict[str, str] = Field(
+        {},
+        description="Its LoRA adapters: name -> a PEFT folder (adapter_config.json, adapter_model.safetensors) on "
+        "every worker node; a request picks one by its model field",
+    )
     # auto with prices that can never keep (none, or a write not dearer than a read) loads, with a warning at start.
     keep_alive: Literal["off", "auto"] = Field(
         "off",
@@ -202,9 +229,43 @@ class TenantConfig(_Strict):
             raise ValueError("must be 1-63 lowercase letters, digits, '-' or '_' (it becomes a URL path)")
         return v
 
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', from a letter or digit"
+                )
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"adapters.{name}: the path of a PEFT adapter folder")
+        return v
+
+    @model_validator(mode="after")
+    def _adapter_count(self) -> TenantConfig:
+        if len(self.adapters) > self.limits.max_adapters:
+            raise ValueError(
+                f"adapters: {len(self.adapters)} adapters, more than limits.max_adapters ({self.limits.max_adapters})"
+            )
+        return self
+
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         if any(len(k) < 8 for k in v):
             raise ValueError("every API key must have at least 8 characters")
         return v
+
+
+def adapter_problem(tenant: TenantConfig, base_model: str, max_rank: int) -> str | None:
+    """What is wrong with ``tenant``'s adapters, as ``adapters.<name>: <why>`` (None: nothing): a name that is the
+    base model's, or a folder ``read_adapter`` refuses (missing, malformed, rank above ``max_rank``, unknown
+    targets). The serve config and the admin API both check with it."""
+    for name, path in tenant.adapters.items():
+        if name == base_model:
+            return f"adapters.{name}: an adapter cannot take the base model's name"
+        try:
+            read_adapter(path, max_rank)
+        except AdapterError as exc:
+            return f"adapters.{name}: {exc}"
+    return None

@@ -41,8 +41,12 @@ class RouterClient:
         exclude: Sequence[str] = (),
         cache_key: str | None = None,
         n: int = 1,
+        adapter: str | None = None,
     ) -> ObjectRef[RouteDecision]:
-        return self.handle.route.remote(tenant, token_ids, request_id, exclude, cache_key, n)
+        return self.handle.route.remote(tenant, token_ids, request_id, exclude, cache_key, n, adapter)
+
+    def forget_tenant(self, tenant: str) -> ObjectRef[dict[str, list[int]]]:
+        return self.handle.forget_tenant.remote(tenant)
 
     def cancel_route(self, request_id: str) -> ObjectRef[None]:
         return self.handle.cancel_route.remote(request_id)

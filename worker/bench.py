@@ -1,4 +1,5 @@
-"""``kvgrid bench engine``: time to first token cold vs. over a cached prefix, and decode throughput."""
+"""``kvgrid bench engine``: time to first token cold vs. over a cached prefix, and decode throughput; ``run_lora``:
+decode throughput with LoRA adapters vs. without (``python -m worker.bench lora``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,15 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from common.lora import TARGETS, AdapterRef
+from common.protocol import Submit
 from common.sampling import SamplingParams, StructuredOutput
 from worker.engine import Engine, EngineConfig
 
@@ -26,12 +33,15 @@ def _decode_rate(
     steps: int,
     rng: random.Random,
     params: SamplingParams | None = None,
+    adapters: list[AdapterRef] | None = None,
 ) -> float:
-    """Output tokens per second over steps in which every sequence of the batch decodes."""
+    """Output tokens per second over steps in which every sequence of the batch decodes (request ``i`` under
+    ``adapters[i % len(adapters)]`` when given)."""
     vocab = engine.model_config.vocab_size
     params = params or SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_prompt([rng.randrange(vocab) for _ in range(prompt_len)], params)
+    for i in range(batch):
+        adapter = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(Submit([rng.randrange(vocab) for _ in range(prompt_len)], params, adapter=adapter))
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         engine.step()
     tokens, elapsed = 0, 0.0
@@ -308,3 +318,85 @@ async def _group_decode_rate(group, batch: int, tokens: int, rng: random.Random)
 
     counts = await asyncio.gather(*(one() for _ in range(batch)))
     return sum(counts) / (time.perf_counter() - max(firsts))
+
+
+def write_random_adapter(engine: Engine, folder: Path, rank: int, targets: tuple[str, ...], seed: int) -> AdapterRef:
+    """A PEFT-format LoRA adapter with random A and B for ``engine``'s model (what ``run_lora`` serves)."""
+    from safetensors.torch import save_file
+
+    from worker.lora import target_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = target_shapes(engine.model_config)
+    tensors = {}
+    for layer in range(engine.model_config.num_layers):
+        for t in targets:
+            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{part}.{t}"
+            out, inp = shapes[t]
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) / rank**0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets), "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return AdapterRef.of(folder)
+
+
+def run_lora(
+    model: str = "demo",
+    batch: int = 32,
+    num_adapters: int = 8,
+    rank: int = 16,
+    decode_steps: int = 64,
+    repeats: int = 3,
+    device: str = "auto",
+    as_json: bool = False,
+    cuda_graphs: bool = True,
+    num_blocks: int | None = None,
+) -> dict:
+    """Decode tokens/s of ``batch`` requests spread over ``num_adapters`` LoRA adapters (rank ``rank``, all seven
+    targets; requests of one adapter not neighbours in the batch) vs. the same batch without adapters: the
+    median of ``repeats`` paired runs and their ratio (target >= 0.7)."""
+    engine = Engine(
+        EngineConfig(model=model, device=device, max_loras=num_adapters, cuda_graphs=cuda_graphs, num_blocks=num_blocks)
+    )
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="kvgrid-bench-lora-") as tmp:
+        adapters = [write_random_adapter(engine, Path(tmp) / f"a{i}", rank, TARGETS, i) for i in range(num_adapters)]
+        _decode_rate(engine, batch, 128, 4, rng)  # warm-up (and every adapter loaded once)
+        _decode_rate(engine, batch, 128, 4, rng, adapters=adapters)
+        base, lora = [], []
+        for _ in range(repeats):  # interleaved, so drifting machine load hits both alike
+            base.append(_decode_rate(engine, batch, 128, decode_steps, rng))
+            lora.append(_decode_rate(engine, batch, 128, decode_steps, rng, adapters=adapters))
+    b, m = statistics.median(base), statistics.median(lora)
+    result = {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "batch": batch,
+        "adapters": num_adapters,
+        "rank": rank,
+        "cuda_graphs": bool(cuda_graphs and engine.device.type == "cuda"),
+        "base_tokens_per_s": b,
+        "lora_tokens_per_s": m,
+        "ratio": m / b,
+    }
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"LoRA benchmark on {result['device']} ({model}, {result['dtype']}, median of {repeats}): decode, "
+            f"batch {batch} over {num_adapters} adapters of rank {rank} on all seven projections"
+        )
+        print(f"  without adapters: {b:8.1f} tokens/s")
+        print(f"  with adapters:    {m:8.1f} tokens/s   ratio {m / b:.2f}  (target >= 0.70)")
+    return result
+
+
+if __name__ == "__main__":  # python -m worker.bench lora [model]
+    import sys
+
+    if sys.argv[1:2] != ["lora"]:
+        sys.exit("usage: python -m worker.bench lora [model] [device]")
+    run_lora(model=sys.argv[2] if len(sys.argv) > 2 else "demo", device=sys.argv[3] if len(sys.argv) > 3 else "auto")

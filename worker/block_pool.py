@@ -311,6 +311,33 @@ class BlockPool:
                 released += 1
         return released
 
+    def forget_tenant(self, tenant: str) -> tuple[int, int]:
+        """A deleted tenant: release its pins and forget its cached blocks that no request uses, publishing their
+        removal (the routers drop them from their indexes). Blocks its running requests hold are left to them;
+        returns (pins released, blocks forgotten)."""
+        released = 0
+        for block_id, (_, owner) in list(self.pins.items()):
+            if owner == tenant:
+                del self.pins[block_id]  # (its deadline entry is skipped when it comes up)
+                self.pinned_blocks_of[tenant] -= 1
+                self.free([self.blocks[block_id]])
+                released += 1
+        q = self.cached_queues.pop(tenant, None)
+        gone: list[bytes] = []
+        while q is not None and len(q):
+            b = q.popleft()
+            self._num_cached_free -= 1
+            if b.key is not None and self.key_to_block.get(b.key) is b:
+                del self.key_to_block[b.key]
+                gone.append(b.key)
+            self.resident[tenant] -= 1
+            b.key = b.parent = None
+            b.tenant = ""
+            self.free_queue.append(b)
+        if gone and self.sink is not None:
+            self.sink.publish(BlockRemoved(gone))
+        return released, len(gone)
+
     def reset(self) -> bool:
         """Forget every cached key. Only possible while no block is in use; returns whether it happened."""
         if self.num_free != self.num_blocks:

@@ -23,6 +23,7 @@ from common.checks import is_power_of_two
 from common.defaults import DEFAULT_PIN_TTL_S
 from common.events import EventSink, HeldKeys
 from common.hashing import HASH_ALGOS, RootKeys, new_secret
+from common.lora import AdapterRef
 from common.model_config import ModelConfig, load_tokenizer, max_model_len
 from common.outputs import FinishReason, RequestOutput
 from common.protocol import Submit
@@ -85,6 +86,11 @@ class EngineConfig:
     decode_threads: int | None = None
     # Host RAM and disk tiers under the KV cache, per rank (worker/kv_tiers.py; docs/caching.md). Off by default.
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
+    # LoRA adapters (PEFT folders, ``Submit.adapter``): device slots, i.e. distinct adapters in one step (0: no
+    # adapters served), their largest rank, and the evicted adapters kept in host memory before a re-read.
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
 
     def __post_init__(self) -> None:
         if not is_power_of_two(self.block_size):
@@ -101,6 +107,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 1")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValueError("max_loras and max_cpu_loras must be >= 0 and max_lora_rank >= 1")
         if isinstance(self.kv_tiers, dict):
             self.kv_tiers = KVTiersConfig(**self.kv_tiers)
 
@@ -128,6 +136,7 @@ def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> Mod
     backend = get_backend(config.attention_backend, device.type)
     runner = ModelRunner(mcfg, device, dtype, config.block_size, backend)
     runner.decode_threads = config.decode_threads
+    runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)  # (before packing)
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
     runner.enable_kv_tiers(config.kv_tiers, secret if secret is not None else engine_secret(config))
     if device.type == "cpu" and dtype == torch.bfloat16:  # after the tiers' fingerprint, which reads the weights
@@ -166,10 +175,11 @@ class Engine:
         )
         if tiers is not None:
             tiers.rebuild_disk_index(event_sink)  # AllCleared, then what a surviving disk tier holds
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_loras)
         self.sampler = Sampler(config.seed, Grammars(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len, config.block_size)
-        self.root_key = RootKeys(secret, config.hash_algo)  # tenant -> its root key (never sent to a client)
+        # (tenant, adapter id) -> its root key (never sent to a client)
+        self.root_key = RootKeys(secret, config.hash_algo)
         self._seqs: dict[str, Sequence] = {}
         # Explicit cache entries by their last block's key: (tenant, prompt tokens, deadline). What a draining
         # group hands over so another group can recompute and pin them.
@@ -195,7 +205,10 @@ class Engine:
 
         ``pin_tokens``: keep the full blocks of the first ``pin_tokens`` prompt tokens cached for ``pin_ttl_s``
         seconds after this request computes or hits them (an explicit cache entry; a hit refreshes it), within
-        the tenant's ``max_pinned_tokens_per_tenant`` and ``max_pinned_fraction`` of the cache overall."""
+        the tenant's ``max_pinned_tokens_per_tenant`` and ``max_pinned_fraction`` of the cache overall.
+
+        ``adapter``: run under that LoRA adapter (a PEFT folder, read and checked here: ``AdapterError``, a
+        ``ValueError``, names what is wrong). Its blocks are keyed under the tenant and the adapter."""
         params, tenant, n, pin_tokens, pin_ttl_s = req.params, req.tenant, req.n, req.pin_tokens, req.pin_ttl_s
         prompt = self.validate(req.prompt, params, pin_tokens, pin_ttl_s)
         request_id = req.request_id if req.request_id is not None else f"req-{next(self._ids)}"
@@ -203,7 +216,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant))
+        adapter = self._check_adapter(req.adapter) if req.adapter is not None else None
+        seq = Sequence(request_id, prompt, params, tenant, self.root_key(tenant, adapter.id if adapter else None))
+        seq.adapter = adapter
         seq.pin_blocks, seq.pin_ttl_s = pin_tokens // self.config.block_size, pin_ttl_s
         if n > 1:
             seq.num_choices = n
@@ -249,6 +264,11 @@ class Engine:
         if not 0 <= pin_tokens <= len(prompt) or pin_ttl_s <= 0:
             raise ValueError("pin_tokens must be within the prompt and pin_ttl_s positive")
         return prompt
+
+    def _check_adapter(self, ref: AdapterRef) -> AdapterRef:
+        if self.runner.lora is None or not isinstance(ref, AdapterRef):
+            raise ValueError(f"this engine serves no LoRA adapters (max_loras 0), or {ref!r} is no AdapterRef")
+        return self.runner.lora.check(ref)
 
     def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         if isinstance(prompt_token_ids, (str, bytes)):
@@ -305,6 +325,7 @@ class Engine:
         if self.kv.tiers is not None and self.scheduler.waiting:
             self.kv.stage(self.scheduler.waiting, self.config.max_num_seqs)  # disk -> host, before admission
         batch = self.scheduler.schedule()
+        loads = self._assign_adapters(batch) if batch and self.runner.lora is not None else ()
         kv_ops = self.kv.take_tier_ops()
         if kv_ops is not None and not batch:  # copies queued outside a step (a fork's evictions): make them now
             if kv_ops:
@@ -316,7 +337,7 @@ class Engine:
             return None
         copies, self._block_copies = tuple(self._block_copies), []
         self.sampler.prefetch(batch)  # structured outputs' masks, computed while the model runs
-        logits = self.runner.run(batch, copies, kv_ops)
+        logits = self.runner.run(batch, copies, kv_ops, loads)
         done = [s for s, n in batch if s.num_computed_tokens + n == s.num_tokens]
         for seq, n in batch:
             self.scheduler.on_computed(seq, n)
@@ -336,6 +357,17 @@ class Engine:
         if kv_ops is not None:  # the step's disk writes, then its host slots go back
             self._finish_tier_ops()
         return outputs
+
+    def _assign_adapters(self, batch: list) -> tuple[tuple[str, str, int], ...]:
+        """The step's adapter loads (LoraManager.assign); the batch sorted by slot, single tokens still first."""
+        lora = self.runner.lora
+        assert lora is not None
+        wanted = {s.adapter.id: s.adapter.path for s, _ in batch if s.adapter is not None}
+        if not wanted:
+            return ()
+        loads = lora.assign(wanted, self.scheduler.running_adapters())
+        batch.sort(key=lambda item: (item[1] > 1, -1 if item[0].adapter is None else lora.slot_of(item[0].adapter.id)))
+        return loads
 
     def _finish_tier_ops(self) -> None:
         assert self.runner.tiers is not None
@@ -382,6 +414,7 @@ class Engine:
             params = dataclasses.replace(params, seed=(params.seed + c) % 2**64)
         child = Sequence(f"{parent.request_id}/{c}", parent.prompt_token_ids, params, parent.tenant, parent.root_key)
         child.output_id, child.choice = parent.output_id, c
+        child.adapter = parent.adapter
         child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
         self._seqs[child.request_id] = child
         return child
@@ -511,6 +544,7 @@ class Engine:
             steps=self._steps,
             step_seconds=self._step_s,
             step_cpu_seconds=self._step_cpu_s,
+            lora_adapters=self.runner.lora.resident() if self.runner.lora is not None else [],
         )
 
     def close(self, max_s: float = 5.0) -> None:
@@ -540,6 +574,10 @@ class Engine:
     def stop_followers(self) -> None:
         """Tell the group's other ranks to stop following (they return from ``follow``); a no-op alone."""
         send_plan(None)
+
+    def forget_tenant(self, tenant: str) -> tuple[int, int]:
+        """A deleted tenant: its pins released, its unused cached blocks forgotten; (pins, blocks)."""
+        return self.kv.forget_tenant(tenant)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only while idle); publishes ``AllCleared``."""

@@ -38,7 +38,9 @@ from common.protocol import Delta, Submit
 _log = logging.getLogger(__name__)
 
 # What the parent may call: the methods of Engine that RankActor calls.
-CALLS = frozenset({"add_request", "abort", "stats", "pinned_entries", "held_keys", "close", "stop_followers"})
+CALLS = frozenset(
+    {"add_request", "abort", "stats", "pinned_entries", "held_keys", "forget_tenant", "close", "stop_followers"}
+)
 
 
 class EngineProcessDied(RuntimeError):
@@ -129,6 +131,9 @@ class EngineProcess:
 
     def held_keys(self) -> Any:
         return self._call("held_keys")
+
+    def forget_tenant(self, tenant: str) -> tuple[int, int]:
+        return self._call("forget_tenant", tenant)
 
     def close(self) -> None:
         self._call("close")

@@ -205,6 +205,15 @@ class KVCacheManager:
             u = u._replace(pinned=u.pinned + len(self.tiers.host.pins))
         return u
 
+    def forget_tenant(self, tenant: str) -> tuple[int, int]:
+        """``BlockPool.forget_tenant`` on the GPU pool and the host and disk tiers: a deleted tenant's pins and
+        unused cached blocks go (pins, blocks; summed over the tiers)."""
+        pools = [self._pool]
+        if self.tiers is not None:
+            pools += [p for p in (self.tiers.host, self.tiers.disk) if p is not None]
+        done = [p.forget_tenant(tenant) for p in pools]
+        return sum(d[0] for d in done), sum(d[1] for d in done)
+
     def reset(self) -> bool:
         """Forget every cached block, in every tier (only while no block is in use); returns whether it
         happened."""

@@ -18,6 +18,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from worker.distributed import all_reduce_min, recv_plan, send_plan, tp_rank, tp_size
 from worker.kv_tier_store import TierStore, model_fingerprint
 from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps
+from worker.lora import LoraBatch, LoraManager
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledSeq
 
@@ -34,6 +35,10 @@ class StepInputs(NamedTuple):
     # sequence's last partial block (n > 1, see KVCacheManager.fork)
     block_copies: tuple[tuple[int, int], ...] = ()
     kv_ops: TierOps | None = None  # KV tier copies, run first (offloads read blocks this step overwrites)
+    # LoRA: each sequence's adapter slot (-1: the base model; empty: no adapter in the step), and the adapters
+    # every rank loads into their slots before computing, (id, path, slot)
+    seq_loras: tuple[int, ...] = ()
+    lora_loads: tuple[tuple[str, str, int], ...] = ()
 
 
 def kv_heads_per_rank(mcfg: ModelConfig) -> int:
@@ -84,6 +89,7 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.lora: LoraManager | None = None  # set by enable_lora
         self.decode_threads: int | None = None  # CPU threads of a decode-only step; None: no change per step
         self.linear_path: str | None = None  # CPU float32: how linears multiply (pick_float32_path), once chosen
         self._step_threads: int | None = None  # the thread count the engine thread was given (read at its first step)
@@ -112,6 +118,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
         return num_blocks
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        """Adapter slots (none allocated until the first adapter loads); call before packing the weights."""
+        if max_loras > 0:
+            self.lora = LoraManager(self.model, self.mcfg, max_loras, max_rank, max_cpu_loras, self.device, self.dtype)
 
     def enable_kv_tiers(self, config: KVTiersConfig, secret: bytes | str) -> TierStore | None:
         """This rank's host and disk tiers (call after ``allocate_kv_cache``); None when ``config`` has none."""
@@ -159,7 +170,13 @@ class ModelRunner:
             seq_lens.append(start + n)
             if start + n == seq.num_tokens:
                 rows.append(qsl[-1] - 1)
-        return StepInputs(ids, pos, slots, qsl, seq_lens, tables, rows)
+        inp = StepInputs(ids, pos, slots, qsl, seq_lens, tables, rows)
+        if self.lora is not None and any(seq.adapter is not None for seq, _ in batch):
+            lora = self.lora
+            inp = inp._replace(
+                seq_loras=tuple(-1 if s.adapter is None else lora.slot_of(s.adapter.id) for s, _ in batch)
+            )
+        return inp
 
     @torch.inference_mode()
     def execute(self, inp: StepInputs) -> torch.Tensor:
@@ -167,6 +184,9 @@ class ModelRunner:
         if inp.kv_ops:
             assert self.tiers is not None
             self.tier_load_s = self.tiers.apply(self.kv_cache, inp.kv_ops)
+        if inp.lora_loads:
+            assert self.lora is not None
+            self.lora.apply(inp.lora_loads)
         if not inp.input_ids:  # tier copies only
             if self.tiers is not None:
                 self.tiers.write_pending()
@@ -174,10 +194,12 @@ class ModelRunner:
         self.pick_threads(inp)
         if inp.block_copies:
             self.copy_blocks(inp.block_copies)
-        if self.graphs is not None and self.graphs.fits(inp):
+        lora = LoraBatch(inp.seq_loras, inp.query_start_loc, self.device) if inp.seq_loras else None
+        # The decode graphs were captured without adapters: a step with any adapter runs eagerly.
+        if lora is None and self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.run(inp)
         else:
-            hidden = self._forward(inp)
+            hidden = self._forward(inp) if lora is None else self._forward(inp, lora)
         if self.tiers is not None and not self.defer_tier_writes:
             self.tiers.write_pending()
         if not inp.sample_rows:
@@ -200,7 +222,7 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    def _forward(self, inp: StepInputs) -> torch.Tensor:
+    def _forward(self, inp: StepInputs, lora: LoraBatch | None = None) -> torch.Tensor:
         dev = self.device
         n = len(inp.input_ids)
         # Every per-token and per-sequence vector in one host tensor and one copy to the device, then views.
@@ -224,7 +246,7 @@ class ModelRunner:
             query_lens_cpu=qlens,
             seq_lens_cpu=inp.seq_lens,
         )
-        return self.model(input_ids, positions, ForwardContext(self.backend, self.kv_cache, md))
+        return self.model(input_ids, positions, ForwardContext(self.backend, self.kv_cache, md, lora))
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs (CUDA, a backend whose kernels can be captured); else stay eager. One rank
@@ -245,15 +267,18 @@ class ModelRunner:
         batch: list[ScheduledSeq],
         block_copies: tuple[tuple[int, int], ...] = (),
         kv_ops: TierOps | None = None,
+        lora_loads: tuple[tuple[str, str, int], ...] = (),
     ) -> torch.Tensor:
         """Rank 0's step: plan it, hand the plan to the other ranks, and compute its own shard (after the
-        KV tier copies ``kv_ops``)."""
+        KV tier copies ``kv_ops`` and the adapter loads ``lora_loads``)."""
         self.tier_load_s = 0.0
         inp = self.prepare(batch) if batch else StepInputs([], [], [], [0], [], [], [])
         if block_copies:
             inp = inp._replace(block_copies=block_copies)
         if kv_ops:
             inp = inp._replace(kv_ops=kv_ops)
+        if lora_loads:
+            inp = inp._replace(lora_loads=lora_loads)
         send_plan(inp)
         return self.execute(inp)
 

@@ -532,6 +532,12 @@ class RankActor:
             "step_threads": self.step_threads if child is None else child.info["step_threads"],
         }
 
+    async def forget_tenant(self, tenant: str) -> tuple[int, int]:
+        """A deleted tenant: its pins released and its unused cached blocks forgotten on the engine thread
+        (``Engine.forget_tenant``); (pins released, blocks forgotten)."""
+        assert self.engine is not None
+        return await self._run(self.engine.forget_tenant, tenant)
+
     async def pinned_entries(self) -> list[tuple[str, list[int], float]]:
         """Explicit cache entries pinned in this group: (tenant, prompt tokens, seconds left)."""
         assert self.engine is not None

@@ -4,6 +4,10 @@ Decodes go first, then unfinished prefills of running requests, then new admissi
 blocks run out, the youngest running request is preempted: its blocks are released (they stay cached, so
 its own recompute usually hits them) and it goes back to the front of the queue.
 
+At most ``max_loras`` distinct LoRA adapters run at once (the engine's adapter slots): a waiting request whose
+adapter would be one more waits, and from then on the step admits no request of another adapter, so the
+running ones drain and free a slot for it.
+
 A waiting request whose next uncached block is being computed right now by another request waits for that
 block instead of computing the same prefix a second time.
 """
@@ -25,8 +29,9 @@ class ScheduledSeq(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, max_loras: int = 0) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -84,9 +89,16 @@ class Scheduler:
 
     def _admit(self, budget: int, out: list[ScheduledSeq]) -> int:
         admitted: list[Sequence] = []
+        adapters = self.running_adapters()
+        blocked = False  # a request waits for an adapter slot: admit no other adapter's requests meanwhile
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
+            adapter = seq.adapter.id if seq.adapter is not None else None
+            if adapter is not None and (blocked or adapter not in adapters):
+                if blocked or len(adapters) >= self.max_loras:
+                    blocked = True
+                    continue
             prefix = self.kv.find_prefix(seq)
             lower = self.kv.find_lower(seq, len(prefix))  # blocks host RAM holds after the GPU prefix: loaded
             nxt = len(prefix) + lower
@@ -104,12 +116,18 @@ class Scheduler:
             for key in seq.block_keys[nxt : seq.num_prompt_tokens // self.kv.block_size]:
                 self.inflight.setdefault(key, seq.request_id)
             admitted.append(seq)
+            if adapter is not None:
+                adapters.add(adapter)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
         return budget
+
+    def running_adapters(self) -> set[str]:
+        """The ids of the LoRA adapters of the running requests."""
+        return {s.adapter.id for s in self.running if s.adapter is not None}
 
     def _release_inflight(self, seq: Sequence, keys: list[bytes] | None = None) -> None:
         for key in seq.block_keys if keys is None else keys:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.lora import AdapterRef
 from common.outputs import FinishReason
 from common.sampling import SamplingParams
 from worker.detokenizer import IncrementalDetokenizer
@@ -44,6 +45,7 @@ class Sequence:
         self.params = params
         self.tenant = tenant
         self.root_key = root_key
+        self.adapter: AdapterRef | None = None  # the LoRA adapter it runs under (its id also salts root_key)
         self.status = SequenceStatus.WAITING
         self.block_table: list[Block] = []
         self._ids_of: list[Block] | None = None  # the table ``_ids`` holds the ids of

@@ -31,6 +31,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_lora(args: argparse.Namespace) -> int:
+    from worker import bench
+
+    bench.run_lora(
+        model=args.model,
+        batch=args.batch,
+        num_adapters=args.adapters,
+        rank=args.rank,
+        decode_steps=args.decode_steps,
+        repeats=args.repeats,
+        device=args.device,
+        as_json=args.json,
+        cuda_graphs=args.cuda_graphs,
+    )
+    return 0
+
+
 def _cmd_bench_tiers(args: argparse.Namespace) -> int:
     from worker import bench_tiers
 
@@ -156,6 +173,7 @@ def add_bench(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     _add_bench_engine(bsub)
     _add_bench_tp(bsub)
+    _add_bench_lora(bsub)
     _add_bench_route(bsub)
     _add_bench_tiers(bsub)
     _add_bench_keep_alive(bsub)
@@ -200,6 +218,20 @@ def _add_bench_engine(bsub) -> None:
     )
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_lora(bsub) -> None:
+    t = bsub.add_parser("lora", help="decode tokens/s of a batch over LoRA adapters vs. the same batch without")
+    t.add_argument("--model", default="demo")
+    t.add_argument("--batch", type=int, default=32)
+    t.add_argument("--adapters", type=int, default=8, help="adapters the batch is spread over (one slot each)")
+    t.add_argument("--rank", type=int, default=16, help="every adapter's rank (all seven projections)")
+    t.add_argument("--decode-steps", type=int, default=64)
+    t.add_argument("--repeats", type=int, default=3, help="paired runs, interleaved; the medians are compared")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="CUDA: both batches eager")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_bench_lora)
 
 
 def _add_bench_tp(bsub) -> None:

@@ -317,6 +317,7 @@ def _router_args(cfg: ServeConfig, redis_url: str) -> dict:
         "supervisor": SUPERVISOR_NAME,
         "policy_args": cfg.routing.model_dump(exclude={"index"}),
         "index": cfg.routing.index,
+        "adapter_slots": cfg.lora.max_loras,
     }
 
 
@@ -341,6 +342,9 @@ def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool
         },
         tenant_shares={t.name: t.cache.share for t in cfg.tenants},
         kv_tiers=KVTiersConfig(**cfg.kv_tiers.model_dump()),
+        max_loras=cfg.lora.max_loras,
+        max_lora_rank=cfg.lora.max_lora_rank,
+        max_cpu_loras=cfg.lora.max_cpu_loras,
     )
 
 

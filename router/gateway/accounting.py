@@ -21,6 +21,11 @@ SETTLE_S = 1.0  # a response waits this long for the cache-entry writes of its r
 CLOSE_BACKGROUND_S = 2.0  # a stopping replica waits this long for its background Redis writes
 
 
+def adapter_scope(tenant: str, adapter: str) -> str:
+    """The usage ledger's scope of a tenant's adapter (a tenant name holds no ':', so it is no tenant's)."""
+    return f"{tenant}:adapter:{adapter}"
+
+
 class Accounting:
     """One replica's usage records: ``ledger`` (Redis, buffered), ``alerts`` (hit-rate drops, for the admin API),
     per-tenant metrics when ``metrics_on``, and its background writes."""
@@ -60,8 +65,7 @@ class Accounting:
         ttl = write_ttl_s if write_ttl_s is not None else t.config.cache.default_ttl
         cost = request_cost(t.prices, n_prompt, cached, write, n_out, ttl, write_segments)
         slot.cost += cost.cost
-        self.ledger.record(
-            t.name,
+        counts = dict(
             requests=1,
             prompt_tokens=n_prompt,
             cached_tokens=cached,
@@ -70,6 +74,9 @@ class Accounting:
             cache_read_tokens=read,
             **cost.ledger_fields(),
         )
+        self.ledger.record(t.name, **counts)
+        if slot.adapter is not None:  # the adapter's own line too (/v1/usage's adapters)
+            self.ledger.record(adapter_scope(t.name, slot.adapter[0]), **counts)
         alert = None
         if self.metrics_on:
             alert = t.metrics.record(

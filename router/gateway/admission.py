@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from common.lora import AdapterRef
+from common.tenant_config import KeyLimitsConfig
 from router.gateway.access import current as current_access
 from router.gateway.budgets import BudgetGate
 from router.gateway.chat import ChatPrompt
@@ -22,6 +24,13 @@ from router.gateway.tracing import current_trace, traced
 from router.gateway.wire import MAX_BODY_BYTES, BodyError, parse_body, ttl_seconds
 
 T = TypeVar("T")
+
+MAX_KEY_LIMITERS = 10_000
+
+
+def key_scope(tenant: str, key_id: str) -> str:
+    """The rate limiter's and budget's scope of one API key (no tenant name holds a '/')."""
+    return f"{tenant}/{key_id}"
 
 
 class Admission:
@@ -42,6 +51,8 @@ class Admission:
         self.tenants, self.keys, self.model_id, self.max_model_len = tenants, keys, model_id, max_model_len
         self.request_rates, self.samples, self.spawn = request_rates, samples, spawn
         self.budgets: BudgetGate | None = None  # the tenants' budgets, set by the Gateway
+        self._key_limiters: dict[tuple[str, str], RateLimiter] = {}  # (key id, its limits as JSON) -> its limiter
+        self.redis: Any = None  # the gateway's Redis client (the keys' limiters), set by the Gateway
 
     def auth(self, tenant: str, request: Request, api: str) -> Tenant:
         """The tenant, if the request carries one of its keys (``presented_key``). An unknown tenant gets the very
@@ -50,7 +61,11 @@ class Admission:
         request.state.api = api
         with traced("auth"):
             t = self.tenants.get(tenant)
-            ok = self.keys.authenticate(tenant, presented_key(request.headers))  # hashed either way: same timing
+            key = presented_key(request.headers)
+            # The key's own record (its limits and budget; keys from the config have none), then the key check
+            # itself: hashed either way, so an unknown tenant takes the same time.
+            request.state.key = record = self.keys.find(tenant, key)
+            ok = record is not None or self.keys.authenticate(tenant, key)
             if t is None or not ok:
                 raise err(401, "invalid API key for this tenant", api)
         acc = current_access()  # the access log's record of this request (router/gateway/access.py)
@@ -67,10 +82,12 @@ class Admission:
         except BodyError as exc:
             raise err(exc.status, exc.message, api) from None
 
-    async def held(self, t: Tenant, api: str, work: Callable[[Slot], Coroutine[Any, Any, T]]) -> T:
-        """Run ``work(slot)`` in one of the tenant's in-flight places in this replica (429 when all are taken); a
-        streamed answer (``SlotStream``) keeps the place until its stream ends. The work passes ``slot`` on to
-        ``admit`` and to accounting: what the request reserves and costs ends with it."""
+    async def held(self, t: Tenant, request: Request, work: Callable[[Slot], Coroutine[Any, Any, T]]) -> T:
+        """Run ``work(slot)`` for the ``request`` ``auth`` let in, in one of the tenant's in-flight places in this
+        replica (429 when all are taken); a streamed answer (``SlotStream``) keeps the place until its stream ends.
+        The work passes ``slot`` on to ``admit`` and to accounting: what the request reserves and costs ends with
+        it; the slot also carries the request's key record (its own limits and budget)."""
+        api = request.state.api
         limit = t.config.limits.max_inflight_requests
         if t.inflight >= limit:
             raise err(
@@ -79,7 +96,7 @@ class Admission:
                 "when one has finished",
                 api,
             )
-        slot = Slot(t)
+        slot = Slot(t, getattr(request.state, "key", None))
         streamed = False
         try:
             result = await work(slot)
@@ -91,8 +108,26 @@ class Admission:
                 slot.release()
 
     def check_model(self, model: str, api: str) -> None:
+        """404 unless ``model`` is the base model (what cached contents are made for)."""
         if model != self.model_id:
             raise err(404, f"model {model!r} does not exist; this gateway serves {self.model_id!r}", api)
+
+    def model_ref(self, t: Tenant, model: str, api: str) -> AdapterRef | None:
+        """The LoRA adapter of ``t`` a request's ``model`` names (None: the base model); 404 naming what the
+        tenant may use when it is neither."""
+        if model == self.model_id:
+            return None
+        ref = t.adapters.get(model)
+        if ref is None:
+            have = ", ".join(repr(m) for m in (self.model_id, *sorted(t.adapters)))
+            raise err(404, f"model {model!r} does not exist; this tenant may use {have}", api)
+        return ref
+
+    def pick_model(self, slot: Slot, model: str, api: str) -> AdapterRef | None:
+        """``model_ref``, also kept on ``slot`` (the request's usage is counted per adapter too)."""
+        ref = self.model_ref(slot.tenant, model, api)
+        slot.adapter = None if ref is None else (model, ref)
+        return ref
 
     def ttl(self, value: str | None, default: float, longest: float, field: str, api: str) -> float:
         """A TTL the request gives in ``field`` (``ttl_seconds``), its error in ``api``'s format."""
@@ -135,9 +170,29 @@ class Admission:
         retry_after = await t.limiter.admit(t.name, len(prompt) + max_tokens)
         if retry_after is not None:
             raise err(429, "rate limit reached for this tenant; retry later", api, retry_after)
+        key_limiter = self.key_limiter(slot)
+        if key_limiter is not None and slot.key is not None:
+            kid = slot.key.id
+            retry_after = await key_limiter.admit(key_scope(t.name, kid), len(prompt) + max_tokens)
+            if retry_after is not None:
+                raise err(429, f"rate limit reached for this API key ({kid}); retry later", api, retry_after)
         if self.budgets is not None:
             await self.budgets.admit(slot, len(prompt), max_tokens, api, write, write_ttl_s)
         self.sample(t, prompt, chat)
+
+    def key_limiter(self, slot: Slot) -> RateLimiter | None:
+        """The rate limiter of the request's API key, when it has limits of its own."""
+        rec = slot.key
+        if rec is None or not rec.limits or self.redis is None:
+            return None
+        lim = KeyLimitsConfig.model_validate(rec.limits)
+        cache_key = (rec.id, lim.model_dump_json())
+        limiter = self._key_limiters.get(cache_key)
+        if limiter is None:
+            if len(self._key_limiters) > MAX_KEY_LIMITERS:  # keys come and go: start over rather than grow
+                self._key_limiters.clear()
+            limiter = self._key_limiters[cache_key] = RateLimiter(self.redis, lim.requests_per_s, lim.tokens_per_min)
+        return limiter
 
     def check_size(self, t: Tenant, n: int, max_tokens: int, api: str) -> None:
         """413 for a prompt of ``n`` tokens that the context, or the tenant's limits, do not take."""

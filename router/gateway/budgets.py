@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -168,7 +169,7 @@ class Budgets:
         if not ok:
             when = resets.isoformat() if resets is not None else "never (a total budget)"
             raise BudgetExceeded(
-                f"the {b.period} budget of {b.hard_usd:.2f} USD (budget.hard_usd) is spent: {spent / MICRO:.6f} "
+                f"{b.period} budget of {b.hard_usd:.2f} USD (budget.hard_usd) is spent: {spent / MICRO:.6f} "
                 f"USD spent and {reserved / MICRO:.6f} USD in flight this period; it resets at {when}"
             )
         return Reservation(scope, pid, member, ttl)
@@ -222,13 +223,32 @@ class BudgetGate(Budgets):
     ``set_budget(tenant name, budget)`` replaces one at run time."""
 
     async def admit(self, slot: Slot, prompt: int, max_out: int, api: str, write: int = 0, ttl_s: float = 0.0) -> None:
+        """Reserve the request's worst case in its tenant's budget and in its API key's own (``slot.key.budget``);
+        both must take it, else 429 naming the budget (and nothing stays reserved)."""
         t = slot.tenant
-        if t.name not in self.budgets:
+        scopes = [t.name] if t.name in self.budgets else []
+        if slot.key is not None and slot.key.budget:
+            scope = f"{t.name}/{slot.key.id}"
+            self.budgets[scope] = BudgetConfig.model_validate(slot.key.budget)  # as the registry holds it now
+            scopes.append(scope)
+        if not scopes:
             return
+        pico = worst_case_cost(t.prices, prompt, max_out, write, ttl_s)
+        held: list[Reservation] = []
         try:
-            res = await self.reserve(t.name, worst_case_cost(t.prices, prompt, max_out, write, ttl_s))
+            for scope in scopes:
+                res = await self.reserve(scope, pico)
+                if res is not None:
+                    held.append(res)
         except BudgetExceeded as exc:
+            for res in held:
+                self.spawn(self.release(res))
             t.metrics.budget_refusal()
-            raise err(429, exc.message, api) from None
-        if res is not None:
-            slot.on_release.append(lambda s: self.spawn(self.settle(res, s.cost)))
+            whose = "this API key's" if scope != t.name else "this tenant's"
+            raise err(429, f"{whose} {exc.message}", api) from None
+        for res in held:
+            slot.on_release.append(partial(self._settle_at_cost, res))
+
+    def _settle_at_cost(self, res: Reservation, slot: Slot) -> None:
+        """Settle ``res`` at what the request of ``slot`` cost (run when the slot is released)."""
+        self.spawn(self.settle(res, slot.cost))

@@ -88,6 +88,7 @@ class Gateway:
         self.budgets = BudgetGate(self.redis)
         self.budgets.spawn, self.budgets.on_spent = self.accounting.spawn, self._budget_metrics
         self.admission.budgets = self.budgets
+        self.admission.redis = self.redis  # the API keys' own rate limiters
         self.prompts = Prompts(model_path, self.max_model_len, self.contents)
         self.pool = RouterPool([RouterClient.of(r) for r in routers])
         self.generation = Generation(self.pool, config.block_size, self.metrics_on)
@@ -133,7 +134,8 @@ class Gateway:
         limiter = RateLimiter(self.redis, lim.requests_per_s, lim.tokens_per_min)
         t = self.tenants.get(cfg.name)
         if t is None:
-            t = Tenant(cfg, limiter, self.config.block_size, self.config.monitoring, self.model_id)
+            c = self.config
+            t = Tenant(cfg, limiter, c.block_size, c.monitoring, self.model_id, c.lora.max_lora_rank)
             self.tenants[cfg.name] = t
         else:
             t.update(cfg, limiter)

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from common.errors import GroupUnhealthyError
+from common.lora import AdapterRef
 from common.outputs import RequestOutput, Timings, merge_choices
 from common.protocol import Submit
 from common.sampling import SamplingParams
@@ -34,7 +35,8 @@ class GenerateRequest:
     """One request to run: the tenant's ``prompt`` with its sampling ``params``; errors in ``api``'s format; the
     first ``pin_tokens`` of the prompt pinned on the group for ``pin_ttl_s``; ``account(last output, predicted)``
     records its usage once it ends; ``restartable``: the caller keeps only the last output, so a failed group may
-    be retried at any point; ``n`` choices; ``cache_key`` (OpenAI's ``prompt_cache_key``) routed by."""
+    be retried at any point; ``n`` choices; ``cache_key`` (OpenAI's ``prompt_cache_key``) routed by; ``adapter``:
+    the LoRA adapter it runs under."""
 
     tenant: Tenant
     prompt: list[int]
@@ -46,6 +48,7 @@ class GenerateRequest:
     restartable: bool = False
     n: int = 1
     cache_key: str | None = None
+    adapter: AdapterRef | None = None  # the tenant's LoRA adapter it runs under (none: the base model)
 
 
 async def _outputs(client: GroupClient, req: Submit, api: str) -> AsyncGenerator[RequestOutput, None]:
@@ -108,6 +111,7 @@ class Generation:
         the completion tokens of all). ``req.cache_key`` (OpenAI's ``prompt_cache_key``) is routed by
         (``Router.route``)."""
         t, prompt, api, n, cache_key, account = req.tenant, req.prompt, req.api, req.n, req.cache_key, req.account
+        adapter = None if req.adapter is None else req.adapter.id
         failed: list[str] = []
         rid = f"{t.name}-{secrets.token_hex(8)}"  # unique across router replicas and gateways
         timing = RequestTiming(time.monotonic())  # latencies as the client sees them, retries included
@@ -123,17 +127,18 @@ class Generation:
             timings: list[Timings] = []  # the engine's, of each choice's final output
             yielded = finished = False
             try:
+                route = self.pool.route(t.name, prompt, attempt, failed, api, cache_key, n, adapter)
                 if rt is None:
-                    router, decision = await self.pool.route(t.name, prompt, attempt, failed, api, cache_key, n)
+                    router, decision = await route
                 else:
                     routed = time.time_ns()
                     try:
-                        router, decision = await self.pool.route(t.name, prompt, attempt, failed, api, cache_key, n)
+                        router, decision = await route
                     except BaseException as exc:
                         rt.route_span(routed, None, self.block_size, len(failed), exc)
                         raise
                     rt.route_span(routed, decision, self.block_size, len(failed))
-                submit = Submit(prompt, req.params, t.name, attempt, req.pin_tokens, req.pin_ttl_s, n)
+                submit = Submit(prompt, req.params, t.name, attempt, req.pin_tokens, req.pin_ttl_s, n, req.adapter)
                 left = n
                 async for out in _outputs(self._client(decision), submit, api):
                     if not yielded and len(out.token_ids) == len(out.new_token_ids):

@@ -6,6 +6,7 @@ in batches (``RouterReports``); a failed group is reported to every replica."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import secrets
 import time
@@ -20,6 +21,8 @@ from router.routing.router import RouteDecision
 
 # A router replica that takes longer is skipped (it routes in about a millisecond; a killed one that Ray is
 # restarting holds calls until it is back, seconds later)...
+log = logging.getLogger(__name__)
+
 ROUTE_TIMEOUT_S = 0.5
 LAST_ROUTE_TIMEOUT_S = 30.0  # ...unless it is the last one left to try
 HEDGE_DELAY_S = 0.05  # a replica routes in about a millisecond: one silent for longer is not waited on alone
@@ -80,6 +83,9 @@ class HedgeBudget:
         return True
 
 
+FORGET_TIMEOUT_S = 40.0  # a deleted tenant's cleanup on the groups (each group's call is bounded at 30 s)
+
+
 async def _bounded(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
@@ -95,6 +101,17 @@ class RouterPool:
         self._hedges = HedgeBudget()
         self.reports = RouterReports()
 
+    async def forget_tenant(self, tenant: str, timeout_s: float = FORGET_TIMEOUT_S) -> dict[str, list[int]] | None:
+        """Have the groups drop a deleted tenant's pins and unused cached blocks, through the first router replica
+        that answers (one is enough: the removals reach every replica's index through the events); None when none
+        did."""
+        for r in self.routers:
+            try:
+                return await _bounded(r.forget_tenant(tenant), timeout_s)
+            except Exception as exc:  # a dead or restarting replica: the next one
+                log.warning("router replica did not forget tenant %s (%s: %s)", tenant, type(exc).__name__, exc)
+        return None
+
     def report_failure(self, group: str, reason: str) -> None:
         """No replica should send more requests to ``group``."""
         for r in self.routers:
@@ -109,6 +126,7 @@ class RouterPool:
         api: str,
         cache_key: str | None = None,
         n: int = 1,
+        adapter: str | None = None,
     ) -> tuple[RouterClient, RouteDecision]:
         """(router replica, decision) from the first replica that routes the request. Hedged: a replica that has
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
@@ -134,7 +152,7 @@ class RouterPool:
         def ask() -> None:
             nonlocal asked
             timeout_s = ROUTE_TIMEOUT_S if asked < replicas - 1 else LAST_ROUTE_TIMEOUT_S
-            call = self.routers[order[asked]].route(tenant, prompt, attempt, failed, cache_key, n)
+            call = self.routers[order[asked]].route(tenant, prompt, attempt, failed, cache_key, n, adapter)
             pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
             asked += 1
 

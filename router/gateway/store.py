@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -101,6 +101,10 @@ class KeyRing:
         """``owner``'s key hashes (the tenant registry seeds the config's keys from them)."""
         return list(self._hashes.get(owner, ()))
 
+    def find(self, tenant: str, key: str | None) -> Any:
+        """The stored record of the key (its own limits and budget): config keys have none."""
+        return None
+
     def authenticate(self, tenant: str, key: str | None) -> bool:
         """Whether ``key`` is one of ``tenant``'s keys; compares with every one of its keys in constant time."""
         if not key:
@@ -177,9 +181,11 @@ class EntryStore(_Backed):
         self._keep = client.register_script(_KEEP_ENTRY)
 
     @staticmethod
-    def entry_key(tenant: str, tokens: list[int]) -> str:
-        """The entry's Redis key for the prefix ``tokens`` of ``tenant``."""
-        return f"kvgrid:pin:{tenant}:{xxhash.xxh3_128_hexdigest(token_bytes(tokens))}"
+    def entry_key(tenant: str, tokens: list[int], adapter: str | None = None) -> str:
+        """The entry's Redis key for the prefix ``tokens`` of ``tenant`` (under LoRA adapter id ``adapter``: its
+        blocks are not the base model's, so neither is its entry)."""
+        data = token_bytes(tokens) if adapter is None else adapter.encode() + b"\0" + token_bytes(tokens)
+        return f"kvgrid:pin:{tenant}:{xxhash.xxh3_128_hexdigest(data)}"
 
     @staticmethod
     def _check(tenant: str, entry_key: str) -> None:

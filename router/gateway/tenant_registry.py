@@ -90,6 +90,9 @@ class KeyRecord:
     created: float
     expires: float | None = None
     origin: str = "api"
+    # Its own limits and budget (common/tenant_config.py KeyConfig, as JSON), within the tenant's.
+    limits: dict[str, Any] | None = None
+    budget: dict[str, Any] | None = None
 
     @classmethod
     def make(cls, unsalted: str, prefix: str, origin: str = "api", id: str | None = None) -> KeyRecord:
@@ -115,6 +118,8 @@ class KeyRecord:
             "created": self.created,
             "expires": self.expires,
             "origin": self.origin,
+            "limits": self.limits,
+            "budget": self.budget,
         }
 
 
@@ -136,16 +141,22 @@ class LiveKeys(KeyRing):
         return self.base.hashes(owner)
 
     def authenticate(self, tenant: str, key: str | None) -> bool:
-        live = self.live
-        if tenant == "admin" or live is None:
+        if tenant == "admin" or self.live is None:
             return self.base.authenticate(tenant, key)
-        if not key:
-            return False
-        unsalted, now, ok = hash_api_key(key), time.time(), False
-        # An unknown tenant costs a comparison too, so timing does not tell which tenants exist.
+        return self.find(tenant, key) is not None
+
+    def find(self, tenant: str, key: str | None) -> KeyRecord | None:
+        """The live record of ``tenant``'s key ``key`` (None: not one, or the registry was not read yet)."""
+        live = self.live
+        if live is None or not key:
+            return None
+        unsalted, now, found = hash_api_key(key), time.time(), None
+        # An unknown tenant costs a comparison too, so timing does not tell which tenants exist; every record is
+        # compared, whichever matches.
         for rec in live.get(tenant) or [_NO_RECORD]:
-            ok |= hmac.compare_digest(rec.hash, salted(rec.salt, unsalted)) and rec.live(now)
-        return ok
+            if hmac.compare_digest(rec.hash, salted(rec.salt, unsalted)) and rec.live(now):
+                found = rec
+        return found
 
 
 _NO_RECORD = KeyRecord.make(hash_api_key(secrets.token_hex(32)), "")

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from common.tenant_config import BudgetConfig
 from router.gateway import advisor, keep_alive
+from router.gateway.accounting import adapter_scope
 from router.gateway.core import Gateway
 from router.gateway.economics import Prices, dollars, summary
 from router.gateway.errors import err
@@ -36,12 +38,24 @@ class UsageApi:
         out = summary(t.name, t.prices, await self.gw.ledger.totals(t.name))
         state = await self.gw.budgets.state(t.name)  # its budget this period (router/gateway/budgets.py)
         out["budget"] = None if state is None else state.public()
+        if t.adapters:  # each adapter's part of the totals above
+            out["adapters"] = {
+                name: summary(t.name, t.prices, await self.gw.ledger.totals(adapter_scope(t.name, name)))
+                for name in sorted(t.adapters)
+            }
         return out
 
     @routes.get("/{tenant}/v1/usage")
     async def usage(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.usage_of(t)
+        out = await self.usage_of(t)
+        key = request.state.key  # a key made by the admin API may have a budget of its own
+        if key is not None and key.budget:
+            scope = f"{t.name}/{key.id}"
+            self.gw.budgets.set_budget(scope, BudgetConfig.model_validate(key.budget))
+            state = await self.gw.budgets.state(scope)
+            out["key_budget"] = None if state is None else {"key_id": key.id, **state.public()}
+        return out
 
     @routes.get("/{tenant}/v1/cache/advice")
     async def advice(self, tenant: str, request: Request):

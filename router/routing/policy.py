@@ -36,6 +36,8 @@ class RouteRequest:
     # The same runs split by tier (``TierMatch``: of them, blocks to load from host RAM, from disk); a group
     # absent here holds its run in its GPU pool.
     cached_tiers: dict[str, TierMatch] = field(default_factory=dict)
+    # Prefill-token equivalents a group would spend before computing (loading the request's LoRA adapter there).
+    extra_tokens: dict[str, float] = field(default_factory=dict)
 
     def tier_tokens(self, group: str) -> tuple[int, int, int]:
         """(GPU, host, disk) tokens of this prompt ``group`` holds: its cached tokens split by the tier it would
@@ -147,6 +149,7 @@ class CacheAwarePolicy(RoutingPolicy):
             + load.queued_prefill_tokens
             + self.decode_weight * load.running
             + self.recent_weight * load.recent_prefill_tokens
+            + req.extra_tokens.get(group, 0.0)
         )
 
     def choose(self, req: RouteRequest, loads: dict[str, GroupLoad]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from common.errors import NoGroup, Overloaded
 from common.events import BlockStored, KVEvent
 from common.hashing import ChunkKeyCache, RootKeys, block_keys, iter_key_chunks
+from router.routing.adapters import AdapterResidency
 from router.routing.index import PrefixIndex, TierMatch, clear_bit, new_index
 from router.routing.policy import GroupLoad, RouteRequest, RoutingPolicy, make_policy
 from router.routing.transport import Subscription
@@ -84,7 +85,8 @@ class Router:
         self._decayed_at = clock()
         self.events = events
         self.clock = clock
-        self.root_key = RootKeys(secret, hash_algo)  # tenant -> its root key
+        self.root_key = RootKeys(secret, hash_algo)  # (tenant, adapter) -> its root key
+        self.adapters = AdapterResidency()  # the LoRA adapters each group ran lately
         self._chunk_cache = ChunkKeyCache()
         self._predicted: dict[bytes, int] = {}  # key -> bits of groups predicted to hold it
         self._predicted_until: dict[tuple[bytes, int], float] = {}  # (key, bit) -> when it lapses
@@ -118,6 +120,7 @@ class Router:
         self.index.remove_group(group)
         self.loads.pop(group, None)
         self.paused.discard(group)
+        self.adapters.drop_group(group)
         for key in [k for k, m in self._predicted.items() if m & bit]:
             self._unpredict(key, bit)
         # Its requests must not touch the load of a new group that reuses the name.
@@ -160,9 +163,9 @@ class Router:
 
     # -- routing ----------------------------------------------------------------------------------------------
 
-    def keys_for(self, tenant: str, token_ids: Sequence[int]) -> list[bytes]:
-        """The same keys the workers compute for this tenant's prompt."""
-        return block_keys(token_ids, self.block_size, self.root_key(tenant), self.hash_algo)
+    def keys_for(self, tenant: str, token_ids: Sequence[int], adapter: str | None = None) -> list[bytes]:
+        """The same keys the workers compute for this tenant's prompt (under LoRA adapter id ``adapter``)."""
+        return block_keys(token_ids, self.block_size, self.root_key(tenant, adapter), self.hash_algo)
 
     def match(self, keys: list[bytes]) -> dict[str, int]:
         """Leading blocks each group holds (in any tier), counting unexpired predictions."""
@@ -184,16 +187,19 @@ class Router:
         exclude: Collection[str] = (),
         cache_key: str | None = None,
         n: int = 1,
+        adapter: str | None = None,
     ) -> RouteDecision:
         """Pick a group for this tenant's prompt (never a paused one, nor one in ``exclude``). Keys are hashed
         lazily: a prompt whose leading blocks no group holds costs a few hashes, not one per block. A
         ``cache_key`` (OpenAI's ``prompt_cache_key``) sends the request to its key's group whatever its blocks,
         unless that group is overloaded (``key_group``). ``n``: the request's choices, which prefill once and
-        then count as ``n`` running requests."""
+        then count as ``n`` running requests. ``adapter``: the id of the LoRA adapter it runs under, whose blocks
+        are its own (their keys descend from the tenant's and the adapter's root); a group that ran it lately
+        holds it already and is charged no ``adapter_load_tokens`` for loading it."""
         self.poll_events()
-        root = self.root_key(tenant)
+        root = self.root_key(tenant, adapter)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        decision = self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key)
+        decision = self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key, adapter)
         if n > 1:
             self._inflight[decision.request_id].choices = n
         return decision
@@ -210,6 +216,7 @@ class Router:
         exclude: Collection[str],
         tenant: str,
         cache_key: str | None = None,
+        adapter: str | None = None,
     ) -> RouteDecision:
         open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
         if not open_groups:
@@ -224,6 +231,8 @@ class Router:
         if self.policy.needs_all_keys:
             keys.take(None)
         req = RouteRequest(keys.seen, num_tokens, self.block_size, cached, tiers)
+        if adapter is not None:
+            req.extra_tokens = self.adapters.load_tokens(adapter, open_groups)
         if self.max_queued_prefill_tokens is not None:
             limit = self.max_queued_prefill_tokens
             with_room = {g: load for g, load in open_groups.items() if load.queued_prefill_tokens < limit}
@@ -244,6 +253,8 @@ class Router:
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
         # Its queued work: the tokens no tier holds, plus the time loading the lower-tier ones takes there.
         f = self._start(rid, group, num_tokens - hit + self.policy.load_tokens(host, disk), tenant)
+        if adapter is not None:
+            self.adapters.used(group, adapter)
         f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
         return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk)
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from router.routing.adapters import ADAPTER_SLOTS
 from router.routing.policy import make_policy
 from router.routing.router import RouteDecision, Router
 
@@ -48,6 +49,7 @@ class RouterService:
         supervisor: str | None = None,
         policy_args: dict[str, float] | None = None,
         index: str = "dict",
+        adapter_slots: int = ADAPTER_SLOTS,
     ) -> None:
         if supervisor is not None:  # a replica of `kvgrid serve`: its warnings go to the console (common/log_relay.py)
             from common.log_relay import relay_logging
@@ -64,6 +66,7 @@ class RouterService:
             index=index,
             tenant_shares=tenant_shares,
         )
+        self.router.adapters.slots = adapter_slots  # each group's LoRA slots (lora.max_loras)
         self.leaders = dict(leaders)
         self.offsets = {g: 0 for g in leaders}
         self.stream = None
@@ -168,10 +171,12 @@ class RouterService:
         exclude: Sequence[str] = (),
         cache_key: str | None = None,
         n: int = 1,
+        adapter: str | None = None,
     ) -> RouteDecision:
-        """A group for the request, with its leader's handle (groups come and go: callers keep no list)."""
+        """A group for the request, with its leader's handle (groups come and go: callers keep no list);
+        ``adapter``: the id of the LoRA adapter it runs under."""
         self._ensure_poller()
-        decision = self.router.route(tenant, token_ids, request_id, exclude, cache_key, n)
+        decision = self.router.route(tenant, token_ids, request_id, exclude, cache_key, n, adapter)
         decision.leader = self.leaders[decision.group]
         return decision
 
@@ -200,6 +205,17 @@ class RouterService:
             }
             for g, load in self.router.loads.items()
         }
+
+    async def forget_tenant(self, tenant: str) -> dict[str, list[int]]:
+        """Tell every group that ``tenant`` is deleted (``RankActor.forget_tenant``): per group, [pins released,
+        blocks forgotten]; a group that does not answer is left out (its blocks age out). The removals reach
+        every replica's index through the groups' events."""
+        groups = list(self.leaders)
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(self.leaders[g].forget_tenant.remote(tenant), GROUP_CALL_TIMEOUT_S) for g in groups),
+            return_exceptions=True,
+        )
+        return {g: list(r) for g, r in zip(groups, replies) if not isinstance(r, BaseException)}
 
     def index_key_counts(self) -> dict[str, int]:
         """Keys the index holds per group, counted from the index itself (``"?"``: bits of no known group)."""

@@ -112,7 +112,7 @@ def test_hard_budget_holds_over_two_replicas_and_refusals_name_it(demo_path, red
             if r.status_code == 429:
                 error = r.json()["error"]
                 assert error["code"] == 429 and set(error) == {"message", "type", "param", "code"}
-                assert error["message"].startswith("the daily budget of 0.00 USD (budget.hard_usd) is spent")
+                assert error["message"].startswith("this tenant's daily budget of 0.00 USD (budget.hard_usd) is spent")
                 assert (
                     "it resets at " + period_bounds("daily", datetime.now(UTC).timestamp())[1].isoformat()
                     in (error["message"])
@@ -141,7 +141,9 @@ def test_refusals_in_anthropic_and_gemini_shapes(demo_path, redis_client):
             headers={"x-api-key": KEY},
         )
         assert r.status_code == 429 and r.json()["type"] == "error"
-        assert r.json()["error"]["message"].startswith("the monthly budget of 0.00 USD (budget.hard_usd) is spent")
+        assert r.json()["error"]["message"].startswith(
+            "this tenant's monthly budget of 0.00 USD (budget.hard_usd) is spent"
+        )
         r = await http.post(
             f"/acme/v1beta/models/{model}:generateContent",
             json={"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},

@@ -41,8 +41,10 @@ class Replica:
 
     @staticmethod
     def _generate(req: GenerateRequest):
-        async def outputs():
-            yield RequestOutput("r", req.tenant.name, req.prompt, [5], "ok", [5], "ok", True, FinishReason.STOP, 0), 0
+        async def outputs():  # one token, accounted as the real generation does once it ends
+            out = RequestOutput("r", req.tenant.name, req.prompt, [5], "ok", [5], "ok", True, FinishReason.STOP, 0)
+            yield out, 0
+            req.account(out, 0)
 
         return outputs()
 
@@ -324,3 +326,70 @@ def test_the_cli_calls_the_admin_api(monkeypatch, capsys):
     assert "sk-kv-shown-once" in out and "acme" in out and "sk-...once" in out
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         cli._section(["limits.requests_per_s"])
+
+
+async def _chat(rep: Replica, tenant: str, key: str) -> httpx2.Response:
+    return await rep.http.post(
+        f"/{tenant}/v1/chat/completions",
+        json={"model": rep.gw.model_id, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def test_a_keys_own_limits_hold_on_every_replica_and_change_at_run_time(run):
+    async def test(a: Replica, b: Replica, _) -> None:
+        plain = await new_tenant(a)  # the tenant allows 100 requests/s
+        r = await a.admin("POST", "/tenants/initech/keys", {"limits": {"requests_per_s": 2}})
+        assert r.status_code == 201 and r.json()["limits"] == {"requests_per_s": 2}, r.text
+        slow, kid = r.json()["key"], r.json()["id"]
+        await until(lambda: _is(b.status("initech", slow), 200))
+        await asyncio.sleep(1.05)  # a fresh one-second window for the key
+        answers = [await _chat(rep, "initech", slow) for rep in (a, b, a)]
+        assert [x.status_code for x in answers] == [200, 200, 429], [x.text for x in answers]
+        assert kid in answers[2].json()["error"]["message"] and answers[2].headers["retry-after"]
+        assert (await _chat(b, "initech", plain)).status_code == 200  # the tenant's other key is not held
+        # Raised at run time: the other replica follows within a second.
+        r = await a.admin("PATCH", f"/tenants/initech/keys/{kid}", {"limits": {"requests_per_s": 50}})
+        assert r.status_code == 200 and r.json()["limits"] == {"requests_per_s": 50}, r.text
+
+        async def lifted() -> bool:
+            return (await _chat(b, "initech", slow)).status_code == 200
+
+        await until(lifted, 2.0)
+        # Bad input names the field and changes nothing.
+        r = await a.admin("PATCH", f"/tenants/initech/keys/{kid}", {"limits": {"requests_per_s": 0}})
+        assert r.status_code == 422 and "limits.requests_per_s" in r.json()["error"]["message"]
+        r = await a.admin("POST", "/tenants/initech/keys", {"budget": {"period": "weekly", "hard_usd": 1}})
+        assert r.status_code == 422 and "budget.period" in r.json()["error"]["message"]
+        assert (await a.admin("PATCH", "/tenants/initech/keys/key-nope", {"limits": None})).status_code == 404
+        keys = (await a.admin("GET", "/tenants/initech/keys")).json()["keys"]
+        assert {k["id"]: k["limits"] for k in keys}[kid] == {"requests_per_s": 50} and len(keys) == 2
+
+    run(test)
+
+
+def test_a_keys_own_budget_refuses_it_alone_and_shows_in_its_usage(run):
+    async def test(a: Replica, b: Replica, _) -> None:
+        plain = await new_tenant(a)
+        r = await a.admin("PATCH", "/tenants/initech", {"prices": {"input": 1000, "output": 1000}})
+        assert r.status_code == 200, r.text
+        r = await a.admin("POST", "/tenants/initech/keys", {"budget": {"period": "daily", "hard_usd": 0.1}})
+        assert r.status_code == 201, r.text
+        capped, kid = r.json()["key"], r.json()["id"]
+        await until(lambda: _is(b.status("initech", capped), 200))
+        # One request's worst case (prompt and 4 output tokens at $1000/M) fits; spent, the next ones do not.
+        answers = [await _chat(rep, "initech", capped) for rep in (a, b, a, b, a, b, a, b)]
+        codes = [x.status_code for x in answers]
+        assert codes[0] == 200 and 429 in codes, codes
+        refused = next(x for x in answers if x.status_code == 429).json()["error"]["message"]
+        assert refused.startswith("this API key's daily budget of 0.10 USD"), refused
+        assert (await _chat(b, "initech", plain)).status_code == 200  # the tenant (no budget) and its other key
+        await asyncio.gather(a.gw.ledger.flush(), b.gw.ledger.flush())
+        usage = (await b.http.get("/initech/v1/usage", headers={"Authorization": f"Bearer {capped}"})).json()
+        kb = usage["key_budget"]
+        assert kb["key_id"] == kid and kb["hard_usd"] == 0.1 and kb["period"] == "daily"
+        assert 0 < kb["spent_usd"] <= 0.1 and kb["left_usd"] == round(max(0.0, 0.1 - kb["spent_usd"]), 6)
+        other = (await b.http.get("/initech/v1/usage", headers={"Authorization": f"Bearer {plain}"})).json()
+        assert "key_budget" not in other and other["budget"] is None
+
+    run(test)

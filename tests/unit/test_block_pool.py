@@ -263,3 +263,28 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_forgetting_a_tenant_releases_its_pins_and_drops_only_its_unused_blocks():
+    sink = ListSink()
+    kv = KVCacheManager(12, BS, "xxh3_128", sink)
+    pool = kv._pool
+    acme, globex = make_seq("a", list(range(8))), make_seq("g", list(range(8)), ROOTS["globex"], "globex")
+    for seq in (acme, globex):
+        compute_all(kv, seq)
+        kv.release(seq)
+    acme_keys = block_keys(list(range(8)), BS, ROOT)
+    assert pool.pin(acme_keys, until=1e18, tenant="acme") == 2
+    running = make_seq("r", list(range(100, 108)))  # a request of acme still running: its blocks stay
+    compute_all(kv, running)
+    sink.drain()
+
+    assert pool.forget_tenant("acme") == (2, 2)
+    assert pool.pinned_blocks_of["acme"] == 0 and not pool.pins
+    assert all(pool.lookup(k) is None for k in acme_keys)
+    assert [e for e in sink.events if isinstance(e, BlockRemoved)] == [BlockRemoved(acme_keys)]
+    globex_keys = block_keys(list(range(8)), BS, ROOTS["globex"])
+    assert all(pool.lookup(k) is not None for k in globex_keys)  # another tenant's blocks stay cached
+    assert all(pool.lookup(k) is not None for k in block_keys(list(range(100, 108)), BS, ROOT))  # in use: kept
+    assert pool.num_free == 12 - 2  # everything but the running request's two blocks can be handed out
+    assert pool.forget_tenant("acme") == (0, 0)

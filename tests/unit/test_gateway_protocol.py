@@ -133,9 +133,13 @@ def test_openai_bodies_keep_their_nulls():
     assert json.loads(text.model_dump_json())["choices"] == [
         {"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}
     ]
-    assert oa.OpenAIModelList(data=[oa.OpenAIModel(id="demo")]).model_dump() == {
+    models = oa.OpenAIModelList(data=[oa.OpenAIModel(id="demo"), oa.OpenAIModel(id="sql", parent="demo")])
+    assert models.model_dump() == {  # an adapter names its base model (vLLM's "parent"); the base has none
         "object": "list",
-        "data": [{"id": "demo", "object": "model", "created": 0, "owned_by": "kvgrid"}],
+        "data": [
+            {"id": "demo", "object": "model", "created": 0, "owned_by": "kvgrid", "parent": None},
+            {"id": "sql", "object": "model", "created": 0, "owned_by": "kvgrid", "parent": "demo"},
+        ],
     }
 
 

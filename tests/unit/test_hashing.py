@@ -115,3 +115,12 @@ def test_root_keys_memo_gives_the_hmac_root_and_computes_each_tenant_once(monkey
     assert calls == ["acme", "globex"]
     with pytest.raises(ValueError, match="secret"):
         RootKeys(b"")("acme")
+
+
+def test_an_adapter_root_differs_from_the_base_and_from_other_adapters():
+    base = tenant_root_key("s", "acme")
+    a, b = tenant_root_key("s", "acme", adapter="a" * 32), tenant_root_key("s", "acme", adapter="b" * 32)
+    assert len({base, a, b, tenant_root_key("s", "acme2", adapter="a" * 32)}) == 4
+    assert tenant_root_key("s", "acme", adapter=None) == base
+    roots = RootKeys("s")
+    assert roots("acme") == base and roots("acme", "a" * 32) == a and roots("acme", None) == base

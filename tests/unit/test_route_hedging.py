@@ -39,7 +39,14 @@ class Replica:
         self.on_finish = SimpleNamespace(remote=self.finished.append)
 
     async def _route(
-        self, tenant: str, prompt: list[int], attempt: str, failed: list[str], cache_key: str | None = None, n: int = 1
+        self,
+        tenant: str,
+        prompt: list[int],
+        attempt: str,
+        failed: list[str],
+        cache_key: str | None = None,
+        n: int = 1,
+        adapter: str | None = None,
     ):
         self.asked.append(attempt)
         self.choices.append(n)

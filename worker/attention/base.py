@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.lora import LoraBatch
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     metadata: AttentionMetadata
+    lora: LoraBatch | None = None  # the step's tokens by LoRA adapter slot; None: no adapter in the step
 
 
 class PagedAttention(torch.nn.Module):

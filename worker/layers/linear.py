@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,9 @@ from torch import nn
 
 from common import env
 from worker.distributed import all_reduce, shard_range, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from worker.lora import LoraBatch
 
 # oneDNN's fp32 matmul beat the default (MKL) path on the skinny matmuls of a small batch on an AVX512 CPU (demo
 # model, 2 cores: decode steps 20-30% faster at batch 1, 8 and 32) and lost on an AVX2-only one, so the engine
@@ -179,8 +183,9 @@ class ColumnParallelLinear(nn.Module):
         start, end = shard_range(loaded.shape[0], self.rank, self.world)
         param.data.copy_(loaded[start:end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        y = linear(x, self.weight, self.bias)
+        return y if lora is None else lora.add(self, x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -246,6 +251,9 @@ class RowParallelLinear(nn.Module):
         start, end = shard_range(loaded.shape[1], self.rank, self.world)
         param.data.copy_(loaded[:, start:end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        y = linear(x, self.weight)
+        if lora is not None:  # this rank's partial LoRA term joins the partial sums before the all-reduce
+            y = lora.add(self, x, y)
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias

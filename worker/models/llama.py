@@ -18,6 +18,7 @@ from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding, rotate
+from worker.lora import LoraBatch
 
 
 class LlamaAttention(nn.Module):
@@ -33,12 +34,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, ctx.lora)
         # Q and K sit side by side in the fused projection: rotate them as one [T, heads + kv_heads, D] tensor.
         qk = rotate(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+        return self.o_proj(self.attn(q, k, v, ctx).flatten(1), ctx.lora)
 
 
 class LlamaMLP(nn.Module):
@@ -47,9 +48,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,7 +71,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.lora), residual
 
 
 class LlamaModel(nn.Module):

@@ -129,7 +129,7 @@ class AnthropicApi:
     @routes.post("/{tenant}/v1/messages")
     async def messages(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._messages(slot, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._messages(slot, request))
 
     @routes.post("/{tenant}/v1/messages/count_tokens")
     async def count_tokens(self, tenant: str, request: Request):
@@ -137,13 +137,13 @@ class AnthropicApi:
         cached content, through the same chat encoding), without running it: ``{"input_tokens": n}``. A request
         like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda _: self._count_tokens(t, request))
+        return await self.gw.admission.held(t, request, lambda _: self._count_tokens(t, request))
 
     async def _count_tokens(self, t: Tenant, request: Request):
         gw = self.gw
         await gw.admission.admit_request(t, API)
         body: CountTokensBody = await gw.admission.body(request, CountTokensBody, API)
-        gw.admission.check_model(body.model, API)
+        gw.admission.model_ref(t, body.model, API)
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
         prefix, _ = await gw.prompts.cached_prefix(t, body.cached_content, API)
@@ -154,7 +154,8 @@ class AnthropicApi:
     async def _messages(self, slot: Slot, request: Request):
         gw, t = self.gw, slot.tenant
         body: MessagesRequest = await gw.admission.body(request, MessagesRequest, API)
-        gw.admission.check_model(body.model, API)
+        adapter = gw.admission.pick_model(slot, body.model, API)
+        adapter_id = None if adapter is None else adapter.id
         if (refused := body.unsupported()) is not None:
             raise err(400, refused, API)
         prefix, cc_ttl = await gw.prompts.cached_prefix(t, body.cached_content, API)
@@ -174,7 +175,7 @@ class AnthropicApi:
                 ttl_at[pos] = max(ttl, ttl_at.get(pos, 0.0))
         pin_tokens = max(ttl_at, default=len(prefix))
         pin_ttl = max(ttl_at.values(), default=cc_ttl or t.config.cache.default_ttl)
-        entries = {pos: gw.entries.entry_key(t.name, prompt[:pos]) for pos in ttl_at}
+        entries = {pos: gw.entries.entry_key(t.name, prompt[:pos], adapter_id) for pos in ttl_at}
         # What the entries claim is read: the longest marked prefix whose entry lives (cached content is pinned
         # already). The usage caps it by what the group actually reused; the rest of the marked prefix is a write.
         claim_read = len(prefix) // bs * bs
@@ -204,9 +205,12 @@ class AnthropicApi:
             if out.finished and out.finish_reason != "abort":  # the entries exist once the pin does
                 for pos, key in entries.items():
                     writes.append(gw.accounting.spawn(gw.entries.keep(t.name, key, ttl_at[pos])))
-                writes.extend(gw.keep_alive.used(t, prompt, entries, ttl_at, alive))  # reuse for keep_alive: auto
+                if adapter is None:  # keep_alive: auto keeps the base model's entries (it re-pins under no adapter)
+                    writes.extend(gw.keep_alive.used(t, prompt, entries, ttl_at, alive))
 
-        req = GenerateRequest(t, prompt, params, API, pin_tokens, pin_ttl, account, restartable=not body.stream)
+        req = GenerateRequest(
+            t, prompt, params, API, pin_tokens, pin_ttl, account, restartable=not body.stream, adapter=adapter
+        )
         run = gw.generation.generate(req)
         run = watched(request, run, API)
         mid = "msg_" + secrets.token_hex(12)

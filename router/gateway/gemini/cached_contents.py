@@ -89,7 +89,7 @@ class CachedContentsApi:
     @routes.post("/{tenant}/v1/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._create(slot, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._create(slot, request))
 
     async def _create(self, slot: Slot, request: Request):
         gw, t = self.gw, slot.tenant
@@ -119,7 +119,7 @@ class CachedContentsApi:
     @routes.patch("/{tenant}/v1/cachedContents/{cid}")
     async def patch_cached_content(self, tenant: str, cid: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._patch(slot, cid, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._patch(slot, cid, request))
 
     async def _patch(self, slot: Slot, cid: str, request: Request):
         gw, t = self.gw, slot.tenant

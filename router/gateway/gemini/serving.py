@@ -135,38 +135,42 @@ class GeminiApi:
 
     # -- models -------------------------------------------------------------------------------------------------
 
-    def _model(self) -> dict:
+    def _model(self, name: str | None = None) -> dict:
+        """The base model's description, or that of the tenant's adapter ``name`` (generation only)."""
         gw = self.gw
+        name = name or gw.model_id
+        methods = ["generateContent", "countTokens", "createCachedContent"]
         return {
-            "name": f"models/{gw.model_id}",
-            "displayName": gw.model_id,
+            "name": f"models/{name}",
+            "displayName": name,
+            "baseModelId": gw.model_id,
             "inputTokenLimit": gw.max_model_len,
             "outputTokenLimit": gw.max_model_len,
-            "supportedGenerationMethods": ["generateContent", "countTokens", "createCachedContent"],
+            "supportedGenerationMethods": methods if name == gw.model_id else methods[:2],
         }
 
     @routes.get("/{tenant}/v1beta/models")
     async def list_models(self, tenant: str, request: Request):
-        self.gw.admission.auth(tenant, request, API)
-        return JSONResponse({"models": [self._model()]})
+        t = self.gw.admission.auth(tenant, request, API)
+        return JSONResponse({"models": [self._model(), *(self._model(name) for name in sorted(t.adapters))]})
 
     @routes.get("/{tenant}/v1beta/models/{model}")
     async def get_model(self, tenant: str, model: str, request: Request):
-        self.gw.admission.auth(tenant, request, API)
-        self.gw.admission.check_model(model, API)
-        return JSONResponse(self._model())
+        t = self.gw.admission.auth(tenant, request, API)
+        self.gw.admission.model_ref(t, model, API)
+        return JSONResponse(self._model(model))
 
     # -- generateContent ----------------------------------------------------------------------------------------
 
     @routes.post("/{tenant}/v1beta/models/{model}:generateContent")
     async def generate_content(self, tenant: str, model: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._generate(slot, model, request, stream=False))
+        return await self.gw.admission.held(t, request, lambda slot: self._generate(slot, model, request, stream=False))
 
     @routes.post("/{tenant}/v1beta/models/{model}:streamGenerateContent")
     async def stream_generate_content(self, tenant: str, model: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._generate(slot, model, request, stream=True))
+        return await self.gw.admission.held(t, request, lambda slot: self._generate(slot, model, request, stream=True))
 
     async def _prompt(
         self, t: Tenant, model: str, body: GenerateContentRequest
@@ -174,7 +178,7 @@ class GeminiApi:
         """The request's prompt tokens, how many of them are its cached content's, that content's TTL left, and
         the rendered chat after it."""
         gw = self.gw
-        gw.admission.check_model(model, API)
+        gw.admission.model_ref(t, model, API)  # the base model or one of the tenant's adapters
         _refuse_unsupported(body)
         _check_config(body.generationConfig)
         if body.cachedContent is not None and body.systemInstruction is not None:
@@ -197,6 +201,7 @@ class GeminiApi:
     async def _generate(self, slot: Slot, model: str, request: Request, stream: bool):
         gw, t = self.gw, slot.tenant
         body: GenerateContentRequest = await gw.admission.body(request, GenerateContentRequest, API)
+        adapter = gw.admission.pick_model(slot, model, API)
         prompt, pin, ttl, chat = await self._prompt(t, model, body)
         params = self._params(body.generationConfig)
         if body.generationConfig.maxOutputTokens is not None:  # asked for: refused if it does not fit
@@ -206,7 +211,9 @@ class GeminiApi:
         def account(out: RequestOutput, predicted: int) -> None:
             gw.accounting.account(slot, out, predicted, gw.accounting.reported_cached(t, out.num_cached_tokens))
 
-        req = GenerateRequest(t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, restartable=not stream)
+        req = GenerateRequest(
+            t, prompt, params, API, pin, ttl or DEFAULT_PIN_TTL_S, account, restartable=not stream, adapter=adapter
+        )
         run = gw.generation.generate(req)
         run = watched(request, run, API)
         rid = secrets.token_hex(12)
@@ -253,7 +260,7 @@ class GeminiApi:
     async def count_tokens(self, tenant: str, model: str, request: Request):
         """A request like any other: within the tenant's in-flight places, request rate and prompt size (413)."""
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda _: self._count_tokens(t, model, request))
+        return await self.gw.admission.held(t, request, lambda _: self._count_tokens(t, model, request))
 
     async def _count_tokens(self, t: Tenant, model: str, request: Request):
         gw = self.gw
@@ -262,7 +269,7 @@ class GeminiApi:
         if body.generateContentRequest is not None:
             prompt, cached, _, _ = await self._prompt(t, model, body.generateContentRequest)
         elif body.contents:
-            gw.admission.check_model(model, API)
+            gw.admission.model_ref(t, model, API)
             prompt, cached = (await gw.prompts.chat(t, _messages(body.contents, None, "contents"), API)).token_ids, 0
         else:
             raise err(400, "contents: give contents or a generateContentRequest to count", API)
@@ -285,7 +292,7 @@ class GeminiApi:
     @routes.post("/{tenant}/v1beta/cachedContents")
     async def create_cached_content(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._create(slot, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._create(slot, request))
 
     async def _create(self, slot: Slot, request: Request):
         gw, t = self.gw, slot.tenant
@@ -329,7 +336,7 @@ class GeminiApi:
     @routes.patch("/{tenant}/v1beta/cachedContents/{cid}")
     async def update_cached_content(self, tenant: str, cid: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._update(slot, cid, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._update(slot, cid, request))
 
     async def _update(self, slot: Slot, cid: str, request: Request):
         gw, t = self.gw, slot.tenant

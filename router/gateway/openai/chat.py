@@ -57,11 +57,11 @@ class ChatCompletions(OpenAIServing):
     @routes.post("/{tenant}/v1/chat/completions")
     async def chat_completions(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._chat_completions(slot, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._chat_completions(slot, request))
 
     async def _chat_completions(self, slot: Slot, request: Request):
         gw, t = self.gw, slot.tenant
-        body: ChatRequest = await self._read(request, ChatRequest)
+        body: ChatRequest = await self._read(slot, request, ChatRequest)
         try:
             messages = openai_messages(body.messages)
             specials = special_texts(gw.prompts.tokenizer)

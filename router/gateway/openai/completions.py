@@ -31,11 +31,11 @@ class Completions(OpenAIServing):
     @routes.post("/{tenant}/v1/completions")
     async def completions(self, tenant: str, request: Request):
         t = self.gw.admission.auth(tenant, request, API)
-        return await self.gw.admission.held(t, API, lambda slot: self._completions(slot, request))
+        return await self.gw.admission.held(t, request, lambda slot: self._completions(slot, request))
 
     async def _completions(self, slot: Slot, request: Request):
         gw, t = self.gw, slot.tenant
-        body: CompletionRequest = await self._read(request, CompletionRequest)
+        body: CompletionRequest = await self._read(slot, request, CompletionRequest)
         prefix, ttl = await gw.prompts.cached_prefix(t, body.cached_content, API)
         if isinstance(body.prompt, str):
             tokens = await gw.prompts.encode_text(t, body.prompt, API)

@@ -259,6 +259,7 @@ class OpenAIModel(Reply):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "kvgrid"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base model itself
 
 
 class OpenAIModelList(Reply):

@@ -133,12 +133,15 @@ class OpenAIServing:
 
     @routes.get("/{tenant}/v1/models")
     async def models(self, tenant: str, request: Request):
-        self.gw.admission.auth(tenant, request, API)
-        return OpenAIModelList(data=[OpenAIModel(id=self.gw.model_id)])
+        t = self.gw.admission.auth(tenant, request, API)
+        base = self.gw.model_id
+        adapters = [OpenAIModel(id=name, parent=base) for name in sorted(t.adapters)]
+        return OpenAIModelList(data=[OpenAIModel(id=base), *adapters])
 
-    async def _read(self, request: Request, model: type[ChatRequest] | type[CompletionRequest]):
+    async def _read(self, slot: Slot, request: Request, model: type[ChatRequest] | type[CompletionRequest]):
+        """The request's body; its ``model`` is the base model or one of the tenant's adapters (kept on ``slot``)."""
         body = await self.gw.admission.body(request, model, API)
-        self.gw.admission.check_model(body.model, API)
+        self.gw.admission.pick_model(slot, body.model, API)
         refused = body.unsupported()
         if refused is not None:
             raise err(400, refused, API)
@@ -193,6 +196,7 @@ class OpenAIServing:
             restartable=not body.stream,
             n=body.n,
             cache_key=body.prompt_cache_key,
+            adapter=None if slot.adapter is None else slot.adapter[1],
         )
         run = watched(request, gw.generation.generate(req), API)
         rid, created = self.ID_PREFIX + secrets.token_hex(12), int(time.time())
