@@ -301,13 +301,41 @@ SHARED_BODY = (
 SHARED_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY), ("initech", SHARED_INITECH_KEY)]
 
 
-class SharedServer:
-    """One lazily started server (``body``, ``ready``) with its own Redis, handed to many tests; ``stop`` ends it
-    (a later ``get`` starts a fresh one). ``private`` starts another with the same config, for a test that needs
-    one to itself."""
+# The server the modules on one worker group share (tests/conftest.py's ``one_group_server``): tests/e2e/test_health.py
+# and test_tracing.py. The union of what they need: one CPU group (/ready follows the only group), the console in
+# JSON, every group's stats line each second, tracing to the session's OTLP collector (tests/otlp_collector.py; spans
+# exported every 0.2 s), the admin key, acme and globex. The test that kills its group is marked
+# ``disturbs_server``: it runs after all the others on it.
+ONE_GROUP_TENANTS = ("acme", "globex")
+ONE_GROUP_DEFAULTS = TEST_DEFAULTS.replace("groups: 2", "groups: 1")
+ONE_GROUP_ENV = {"KVGRID_STATS_INTERVAL_S": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+ONE_GROUP_READY = [("acme", ACME_KEY), ("globex", GLOBEX_KEY)]
 
-    def __init__(self, tmp_path_factory, body: str, ready: list[tuple[str, str]]) -> None:
+
+def one_group_body(otlp_endpoint: str) -> str:
+    return (
+        f"admin_keys: [{ADMIN_KEY}]\nlogging: {{format: json}}\n"
+        + f"tracing: {{otlp_endpoint: '{otlp_endpoint}', service_name: kvgrid-test}}\n"
+        + TWO_TENANTS
+    )
+
+
+class SharedServer:
+    """One lazily started server (``body``, ``ready``; ``env``, ``defaults`` and ``http`` as for ``serving``) with
+    its own Redis, handed to many tests; ``stop`` ends it (a later ``get`` starts a fresh one). ``private`` starts
+    another with the same config, for a test that needs one to itself."""
+
+    def __init__(
+        self,
+        tmp_path_factory,
+        body: str,
+        ready: list[tuple[str, str]],
+        env: dict[str, str] | None = None,
+        defaults: str = TEST_DEFAULTS,
+        http: str = "",
+    ) -> None:
         self.tmp_path_factory, self.body, self.ready = tmp_path_factory, body, ready
+        self.env, self.defaults, self.http = env, defaults, http
         self._running: tuple[Server, RedisServer] | None = None
         self.failed: str | None = None  # why the last start failed: the tests after it fail at once, not each in 240 s
         self.starts = 0
@@ -315,9 +343,8 @@ class SharedServer:
     def _start(self) -> tuple[Server, RedisServer]:
         redis_server = RedisServer(self.tmp_path_factory.mktemp("redis"))
         port = free_port()
-        srv = Server(
-            write_config(self.tmp_path_factory.mktemp("serve"), port, self.body), redis_server.url, port, self.ready
-        )
+        config = write_config(self.tmp_path_factory.mktemp("serve"), port, self.body, self.defaults, self.http)
+        srv = Server(config, redis_server.url, port, self.ready, self.env)
         try:
             srv.start()
         except BaseException:

@@ -1,5 +1,6 @@
 """Operating a real `kvgrid serve`, on one server with a single worker group and the
-console in JSON (``logging: {format: json}``):
+console in JSON (``logging: {format: json}``): the one test_tracing shares too (tests/conftest.py's
+``one_group_server``, harness.one_group_body):
 
 - ``/health`` and ``/ready`` answer 200 without a key and name no tenant; the older ``/-/healthz`` stays;
 - the access log reaches the console of `kvgrid serve` through the log relay, one JSON object per line, with the
@@ -10,7 +11,8 @@ console in JSON (``logging: {format: json}``):
 - ``/ready`` is 503 (with its reasons) while the only group is down and 200 again once the supervisor has restarted
   it; ``/health`` is 200 throughout; ``/admin/v1/status`` lists the groups, the router replicas and Redis.
 
-The group is killed last (the last test on the server): the other tests see a settled server. Without a server:
+The group is killed last (marked ``disturbs_server``: after every other test on the server, those of the other
+modules on it too): the other tests see a settled server. Without a server:
 the supervisor logs when Redis stops answering and when it answers again."""
 
 from __future__ import annotations
@@ -27,22 +29,19 @@ import uuid
 import httpx
 import pytest
 
-from harness import ACME_KEY, ADMIN_KEY, GLOBEX_KEY, TEST_DEFAULTS, TWO_TENANTS, RedisServer, serving, wait_for
+from harness import ACME_KEY, ADMIN_KEY, ONE_GROUP_TENANTS, RedisServer, wait_for
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SECRET_KEY = f"sk-secretmarker-XYZ{uuid.uuid4().hex[:12]}"  # a key that must never be logged (it is refused)
 PROMPT = f"PROMPTMARKER{uuid.uuid4().hex[:12]}"  # a prompt text that must never be logged
-TENANT_NAMES = ("acme", "globex")
+TENANT_NAMES = ONE_GROUP_TENANTS  # every tenant of the server
 HEX_ID = re.compile(r"[0-9a-f]{32}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    body = f"admin_keys: [{ADMIN_KEY}]\nlogging: {{format: json}}\n" + TWO_TENANTS
-    defaults = TEST_DEFAULTS.replace("groups: 2", "groups: 1")
-    env = {"KVGRID_STATS_INTERVAL_S": "1"}  # the groups' stats line every second, not every 10
-    with serving(tmp_path_factory, body, [("acme", ACME_KEY), ("globex", GLOBEX_KEY)], env, defaults) as srv:
-        yield srv
+@pytest.fixture()
+def server(one_group_server):
+    # One group, the console in JSON, the groups' stats line every second, not every 10 (harness.ONE_GROUP_ENV).
+    return one_group_server
 
 
 def _records(server) -> list[dict]:
@@ -175,6 +174,7 @@ def _ranks(server) -> set[int]:
     return {rank["pid"] for g in r.json()["groups"] for rank in g.get("ranks", [])}
 
 
+@pytest.mark.disturbs_server
 def test_ready_is_503_while_the_only_group_is_down_and_200_after_its_restart(server):
     status = httpx.get(f"{server.base}/admin/v1/status", headers=ADMIN, timeout=60).json()
     assert status["groups"] == [{"name": "g0", "state": "serving", "restarts": 0}]

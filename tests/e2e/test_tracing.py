@@ -3,115 +3,27 @@ no exporter); with one, a request's spans (gateway, auth, template, tokenize, ro
 an OTLP/HTTP collector in one trace, the client's, and hold no prompt text and no key.
 
 The collector is a tiny HTTP server in this process that decodes ``ExportTraceServiceRequest`` bodies (the
-``opentelemetry-proto`` package the exporter itself uses); the server is a real ``kvgrid serve``, started once."""
+``opentelemetry-proto`` package the exporter itself uses: tests/otlp_collector.py, one for the session); the server
+is a real ``kvgrid serve``, the one the modules on one worker group share (tests/conftest.py's ``one_group_server``)."""
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import secrets
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from common.config import ServeConfig, TracingConfig
 from common.outputs import FinishReason, RequestOutput, Timings
-from harness import ACME_KEY, TWO_TENANTS, free_port, oa, serving, wait_for
+from harness import ACME_KEY, oa, wait_for
+from otlp_collector import Collector
 from router.gateway.tracing import RequestTrace, Tracing
 
 # The spans of one chat completion, by name (the root's is its method and route).
 ROOT = "POST /{tenant}/v1/chat/completions"
 NAMES = {ROOT, "auth", "template", "tokenize", "route", "queue", "prefill", "decode"}
-
-
-# -- an OTLP/HTTP collector ---------------------------------------------------------------------------------------
-
-
-class Collector:
-    """An OTLP/HTTP trace receiver on 127.0.0.1: every span it was sent (with its resource's attributes), and every
-    raw body (to search for text that no span may hold)."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.bodies: list[bytes] = []
-        self.lock = threading.Lock()
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_error(404)
-                    return
-                collector.add(body)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.port = free_port()
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def add(self, body: bytes) -> None:
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(body)
-        spans = []
-        for rs in req.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    spans.append(
-                        {
-                            "name": s.name,
-                            "trace_id": s.trace_id.hex(),
-                            "span_id": s.span_id.hex(),
-                            "parent": s.parent_span_id.hex(),
-                            "start": s.start_time_unix_nano,
-                            "end": s.end_time_unix_nano,
-                            "attributes": {a.key: _value(a.value) for a in s.attributes},
-                            "events": [{a.key: _value(a.value) for a in e.attributes} for e in s.events],
-                            "status": s.status.code,
-                            "resource": resource,
-                        }
-                    )
-        with self.lock:
-            self.bodies.append(body)
-            self.spans.extend(spans)
-
-    def trace(self, trace_id: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [s for s in self.spans if s["trace_id"] == trace_id]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _value(v: AnyValue) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    if kind == "kvlist_value":
-        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
-    return None if kind is None else getattr(v, kind)
 
 
 # -- off by default -----------------------------------------------------------------------------------------------
@@ -234,20 +146,17 @@ def test_tracing_start_without_config_is_none() -> None:
 # -- a real server ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def collector():
-    c = Collector()
-    yield c
-    c.close()
+@pytest.fixture()
+def collector(otlp_collector: Collector) -> Collector:
+    return otlp_collector
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, collector: Collector):
-    defaults = "model: demo\nblock_size: 16\ngroups: 1\ndevice: cpu\nmax_model_len: 1024\n"
-    body = f"tracing: {{otlp_endpoint: '{collector.url}', service_name: kvgrid-test}}\n" + TWO_TENANTS
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # the batch span processor exports every 0.2 s (default: 5 s)
-    with serving(tmp_path_factory, body, [("acme", ACME_KEY)], env=env, defaults=defaults) as srv:
-        yield srv
+@pytest.fixture()
+def server(one_group_server):
+    # The server test_health shares too (harness.one_group_body: one group, tracing to the session's collector with
+    # the spans exported every 0.2 s). Every test here sends its own trace ids and markers, and looks at its own
+    # traces only; no span of any request may hold a key.
+    return one_group_server
 
 
 def test_a_request_is_one_trace_continuing_the_clients(server, collector: Collector) -> None:
