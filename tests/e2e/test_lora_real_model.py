@@ -3,6 +3,7 @@ GGUF file (float32): two adapters of different ranks and targets and the base mo
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,11 @@ def reference(smollm2: Path, tmp_path_factory):
     gguf = cache_root() / "downloads" / PACKAGED["smollm2"].filename
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
+    # Read (and dequantized) once; each adapter wraps a copy of it.
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
     def base():
-        return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        return copy.deepcopy(loaded)
 
     prompts = []
     for q in QUESTIONS:
@@ -55,7 +59,7 @@ def reference(smollm2: Path, tmp_path_factory):
             outs.append(gen[0, len(ids) :].tolist())
         return outs
 
-    expected = {None: greedy(base())}
+    expected = {None: greedy(loaded)}
     folders = {}
     out_dir = tmp_path_factory.mktemp("lora-smollm2")
     for i, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
