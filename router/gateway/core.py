@@ -13,6 +13,7 @@ builds the ASGI app from it all."""
 # No "from __future__ import annotations" here: FastAPI must see real types on the route methods.
 
 import asyncio
+import gc
 import logging
 from collections.abc import Sequence
 from functools import partial
@@ -107,6 +108,9 @@ class Gateway:
         self.tenant_sync.start()
         # OpenTelemetry traces of the requests (router/gateway/tracing.py): None without ``tracing`` in the config.
         self.tracing = Tracing.start(config.tracing)
+        # What exists now (modules, tokenizer, the app) lives as long as the process: out of the collector's full
+        # passes, whose pause would stall the event loop for every request (the longer, the bigger the heap).
+        gc.freeze()
 
     async def close(self) -> None:
         """When the replica stops, on the loop that served it: let the background writes started by finished

@@ -1,5 +1,5 @@
 """LoRA adapters on SmolLM2-135M-Instruct (``model: smollm2``) against PEFT over transformers reading the same
-GGUF file (float32): two adapters of different ranks and targets and the base model in one batch, greedy."""
+GGUF file (float32): three adapters of different ranks and targets and the base model in one batch, greedy."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbo
 MAX_NEW = 12
 ADAPTERS = {  # name: (rank, alpha, target modules)
     "attn": (8, 32, ["q_proj", "v_proj", "o_proj"]),
+    "mlp": (4, 8, ["gate_proj", "up_proj", "down_proj"]),
     "all": (16, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 
@@ -73,14 +74,14 @@ def reference(smollm2: Path, tmp_path_factory):
     return prompts, folders, expected
 
 
-def test_two_adapters_and_the_base_in_one_batch_match_peft(smollm2: Path, reference) -> None:
+def test_three_adapters_and_the_base_in_one_batch_match_peft(smollm2: Path, reference) -> None:
     from common.lora import AdapterRef
     from common.protocol import Submit
     from common.sampling import SamplingParams
     from worker.engine import Engine, EngineConfig
 
     prompts, folders, expected = reference
-    engine = Engine(EngineConfig(model=str(smollm2), device="cpu", max_loras=2, max_lora_rank=16))
+    engine = Engine(EngineConfig(model=str(smollm2), device="cpu", max_loras=3, max_lora_rank=16))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     names = [None, *ADAPTERS]
     want, ids = [], []

@@ -86,7 +86,7 @@ def _gateway(demo_path, redis_client) -> Gateway:
         config, KeyRing.from_config(config), str(demo_path), [FakeRouter()], f"unix://{redis_client.socket_file}"
     )
 
-    async def route(tenant, prompt, attempt, failed, api, cache_key=None, n=1):
+    async def route(tenant, prompt, attempt, failed, api, cache_key=None, n=1, adapter=None):
         return gw.pool.routers[0], RouteDecision(attempt, "g0", 0)
 
     gw.pool.route = route  # type: ignore[method-assign]
