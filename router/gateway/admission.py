@@ -19,18 +19,13 @@ from router.gateway.budgets import BudgetGate
 from router.gateway.chat import ChatPrompt
 from router.gateway.errors import err
 from router.gateway.store import KeyRing, PromptSamples, RateLimiter, presented_key
-from router.gateway.tenants import Slot, SlotStream, Tenant
+from router.gateway.tenants import Slot, SlotStream, Tenant, key_scope
 from router.gateway.tracing import current_trace, traced
 from router.gateway.wire import MAX_BODY_BYTES, BodyError, parse_body, ttl_seconds
 
 T = TypeVar("T")
 
 MAX_KEY_LIMITERS = 10_000
-
-
-def key_scope(tenant: str, key_id: str) -> str:
-    """The rate limiter's and budget's scope of one API key (no tenant name holds a '/')."""
-    return f"{tenant}/{key_id}"
 
 
 class Admission:

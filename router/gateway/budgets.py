@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 from common.tenant_config import BudgetConfig
 from router.gateway.economics import Prices, storage_cost
 from router.gateway.errors import err
-from router.gateway.tenants import Slot
+from router.gateway.tenant_registry import KeyRecord
+from router.gateway.tenants import Slot, key_scope
 
 log = logging.getLogger(__name__)
 
@@ -227,9 +228,8 @@ class BudgetGate(Budgets):
         both must take it, else 429 naming the budget (and nothing stays reserved)."""
         t = slot.tenant
         scopes = [t.name] if t.name in self.budgets else []
-        if slot.key is not None and slot.key.budget:
-            scope = f"{t.name}/{slot.key.id}"
-            self.budgets[scope] = BudgetConfig.model_validate(slot.key.budget)  # as the registry holds it now
+        scope = self.key_budget(t.name, slot.key)
+        if scope is not None:
             scopes.append(scope)
         if not scopes:
             return
@@ -248,6 +248,14 @@ class BudgetGate(Budgets):
             raise err(429, f"{whose} {exc.message}", api) from None
         for res in held:
             slot.on_release.append(partial(self._settle_at_cost, res))
+
+    def key_budget(self, tenant: str, key: KeyRecord | None) -> str | None:
+        """The scope of ``key``'s own budget, set as the registry holds it now (None: the key has none)."""
+        if key is None or not key.budget:
+            return None
+        scope = key_scope(tenant, key.id)
+        self.budgets[scope] = BudgetConfig.model_validate(key.budget)
+        return scope
 
     def _settle_at_cost(self, res: Reservation, slot: Slot) -> None:
         """Settle ``res`` at what the request of ``slot`` cost (run when the slot is released)."""

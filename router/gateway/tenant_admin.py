@@ -69,6 +69,14 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _live_key(keys: dict[str, KeyRecord], tenant: str, key_id: str) -> KeyRecord:
+    """``key_id``'s record among a tenant's ``keys``, if it still works; NotFound otherwise."""
+    rec = keys.get(key_id)
+    if rec is None or not rec.live(time.time()):
+        raise NotFound(f"tenant {tenant!r} has no key {key_id!r}")
+    return rec
+
+
 class TenantAdmin:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -259,11 +267,7 @@ class TenantAdmin:
         key = new_key()
         rec = replace(KeyRecord.make(hash_api_key(key), display(key)), **own)
         audit.update(key_id=rec.id, **own)
-        try:
-            await self.registry.change_keys(tenant, lambda _: [rec], audit)
-        except NotFound as exc:
-            raise _AdminError(404, str(exc)) from None
-        await self._changed()
+        await self._change_keys(tenant, lambda _: [rec], audit)
         return JSONResponse({"id": rec.id, "key": key, "prefix": rec.prefix, "tenant": tenant, **own}, status_code=201)
 
     async def update_key(self, tenant: str, key_id: str, request: Request):
@@ -274,19 +278,22 @@ class TenantAdmin:
         audit.update(key_id=key_id, change=body)
 
         def change(keys: dict[str, KeyRecord]) -> list[KeyRecord]:
-            rec = keys.get(key_id)
-            if rec is None or not rec.live(time.time()):
-                raise NotFound(f"tenant {tenant!r} has no key {key_id!r}")
+            rec = _live_key(keys, tenant, key_id)
             fields = {k: own.get(k, getattr(rec, k)) for k in ("limits", "budget")}
             fields.update({k: None for k, v in body.items() if v is None and k in fields})
             return [replace(rec, **fields)]
 
+        await self._change_keys(tenant, change, audit)
+        return next(k for k in (await self.registry.get(tenant))["keys"] if k["id"] == key_id)
+
+    async def _change_keys(self, tenant: str, change, audit: dict[str, Any]) -> None:
+        """Apply ``change`` (the tenant's keys -> records to set and ids to drop) in the registry, with ``audit``;
+        404 for an unknown tenant or key."""
         try:
             await self.registry.change_keys(tenant, change, audit)
         except NotFound as exc:
             raise _AdminError(404, str(exc)) from None
         await self._changed()
-        return next(k for k in (await self.registry.get(tenant))["keys"] if k["id"] == key_id)
 
     async def list_keys(self, tenant: str, request: Request):
         self._auth(request, "keys.list", tenant)
@@ -300,15 +307,10 @@ class TenantAdmin:
         audit["key_id"] = key_id
 
         def change(keys: dict[str, KeyRecord]) -> list[str]:
-            if key_id not in keys or not keys[key_id].live(time.time()):
-                raise NotFound(f"tenant {tenant!r} has no key {key_id!r}")
+            _live_key(keys, tenant, key_id)
             return [key_id]
 
-        try:
-            await self.registry.change_keys(tenant, change, audit)
-        except NotFound as exc:
-            raise _AdminError(404, str(exc)) from None
-        await self._changed()
+        await self._change_keys(tenant, change, audit)
         return {"revoked": key_id}
 
     async def rotate_key(self, tenant: str, key_id: str, request: Request):
@@ -325,20 +327,14 @@ class TenantAdmin:
         audit.update(key_id=key_id, new_key_id=rec.id, overlap_s=overlap)
 
         def change(keys: dict[str, KeyRecord]) -> list[KeyRecord | str]:
-            old = keys.get(key_id)
-            if old is None or not old.live(time.time()):
-                raise NotFound(f"tenant {tenant!r} has no key {key_id!r}")
+            old = _live_key(keys, tenant, key_id)
             # The new value carries the old one's own limits and budget (its spend starts anew: a new id).
             return [
                 rotated(old, float(overlap)) if overlap > 0 else key_id,
                 replace(rec, limits=old.limits, budget=old.budget),
             ]
 
-        try:
-            await self.registry.change_keys(tenant, change, audit)
-        except NotFound as exc:
-            raise _AdminError(404, str(exc)) from None
-        await self._changed()
+        await self._change_keys(tenant, change, audit)
         return JSONResponse(
             {
                 "id": rec.id,

@@ -67,6 +67,11 @@ class Tenant:
         self.adapters = adapter_refs(config, self.max_lora_rank)
 
 
+def key_scope(tenant: str, key_id: str) -> str:
+    """The rate limiter's and budget's scope of one API key of ``tenant`` (no tenant name holds a '/')."""
+    return f"{tenant}/{key_id}"
+
+
 class Slot:
     """One of a tenant's in-flight places in this replica, held by one request from admission to its end and
     released exactly once. It carries what ends with the request: ``cost``, what the request has cost so far

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from common.tenant_config import BudgetConfig
 from router.gateway import advisor, keep_alive
 from router.gateway.accounting import adapter_scope
 from router.gateway.core import Gateway
@@ -50,9 +49,8 @@ class UsageApi:
         t = self.gw.admission.auth(tenant, request, API)
         out = await self.usage_of(t)
         key = request.state.key  # a key made by the admin API may have a budget of its own
-        if key is not None and key.budget:
-            scope = f"{t.name}/{key.id}"
-            self.gw.budgets.set_budget(scope, BudgetConfig.model_validate(key.budget))
+        scope = self.gw.budgets.key_budget(t.name, key)
+        if scope is not None:
             state = await self.gw.budgets.state(scope)
             out["key_budget"] = None if state is None else {"key_id": key.id, **state.public()}
         return out
