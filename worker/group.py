@@ -298,6 +298,8 @@ class WorkerGroup:
         if graceful and self.ranks:
             try:
                 self.client.shutdown(timeout_s=10)
+                # The followers return from ``follow`` once their disk writes are done: wait for that before killing.
+                ray.wait(self._follows, num_returns=len(self._follows), timeout=10)
             except Exception:  # the group may already be broken; killing below is what matters
                 pass
         for a in self.ranks:

@@ -283,12 +283,15 @@ class ModelRunner:
         return self.execute(inp)
 
     def follow(self) -> None:
-        """Ranks > 0: execute rank 0's plans until it sends ``None`` (shutdown)."""
+        """Ranks > 0: execute rank 0's plans until it sends ``None`` (shutdown), then wait for this rank's queued
+        disk-tier writes, as rank 0's ``Engine.close`` does for its own, so a restart finds every rank's files."""
         while (inp := recv_plan()) is not None:
             if isinstance(inp, StagePlan):
                 self._stage_local(inp)
             else:
                 self.execute(inp)
+        if self.tiers is not None:
+            self.tiers.close()
 
 
 def _block_table(tables: list[list[int]], width: int) -> torch.Tensor:
