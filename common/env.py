@@ -66,7 +66,8 @@ KERNEL_CACHE = Var(
     "KVGRID_KERNEL_CACHE",
     "path",
     "`$XDG_CACHE_HOME/kvgrid/kernels` (`~/.cache/kvgrid/kernels`)",
-    "Where the CPU decode-attention kernel is built, keyed by its source, compiler and CPU flags.",
+    "Where the C libraries (the CPU kernels, the compact prefix index's key table) are built, keyed by their "
+    "sources, compiler and CPU flags.",
 )
 CPU_ATTENTION = Var(
     "KVGRID_CPU_ATTENTION",
@@ -74,6 +75,13 @@ CPU_ATTENTION = Var(
     "`auto`",
     "CPU decode attention: `auto` uses the C kernel where it builds, `native` makes a missing kernel an error, "
     "`torch` never uses it.",
+)
+INDEX_NATIVE = Var(
+    "KVGRID_INDEX_NATIVE",
+    "`auto` \\| `native` \\| `numpy`",
+    "`auto`",
+    "The compact prefix index's key table: `auto` uses its C operations where they build, `native` makes a "
+    "failed build an error, `numpy` never uses them.",
 )
 CPU_LINEAR = Var(
     "KVGRID_CPU_LINEAR",
@@ -137,6 +145,7 @@ ALL: tuple[Var, ...] = (
     CACHE,
     KERNEL_CACHE,
     CPU_ATTENTION,
+    INDEX_NATIVE,
     CPU_LINEAR,
     GROUP_CHANNEL,
     STATS_INTERVAL_S,
@@ -184,6 +193,11 @@ def kernel_cache() -> Path:
 def cpu_attention() -> str:
     """``$KVGRID_CPU_ATTENTION``: ``auto`` (default), ``native`` or ``torch``."""
     return _choice(CPU_ATTENTION, "auto", ("auto", "native", "torch"))
+
+
+def index_native() -> str:
+    """``$KVGRID_INDEX_NATIVE``: ``auto`` (default), ``native`` or ``numpy``."""
+    return _choice(INDEX_NATIVE, "auto", ("auto", "native", "numpy"))
 
 
 def cpu_linear() -> str:

@@ -151,7 +151,7 @@ class CompactPrefixIndex:
     def _store(self, bit: int, keys: Sequence[bytes], row: int) -> None:
         t = self._table
         word, value = self._word(bit)
-        if len(keys) <= SMALL:
+        if len(keys) <= SMALL and not t.native:
             placed = t.insert_small(small_codes(keys))
             if placed is not None:
                 mv, words = t.mask_view, t.words
@@ -159,28 +159,15 @@ class CompactPrefixIndex:
                 for s in placed:
                     mv[at + s * words] |= value
                 return
-        slots = t.insert(key_codes(keys))  # (first: it may grow the table, replacing its arrays)
-        t.masks[row, slots, word] |= t.dtype(value)
+        t.add_bit(key_codes(keys), row, word, value)
 
     def _remove(self, bit: int, keys: Sequence[bytes], row: int) -> None:
         t = self._table
         word, value = self._word(bit)
-        if len(keys) <= SMALL_REMOVE:
+        if len(keys) <= SMALL_REMOVE and not t.native:
             t.clear_small(small_codes(keys), row, word, value, self._tiered)
             return
-        slots = t.find(key_codes(keys))
-        slots = slots[slots >= 0]
-        if not len(slots):
-            return
-        if t.words == 1:  # a plain gather and scatter of the tier's row, and its values say which slots are free
-            column = t.masks[row, :, 0]
-            left = column.take(slots) & ~t.dtype(value)
-            column.put(slots, left)
-            doomed = t.unused(slots) if self._tiered else slots[left == 0]
-        else:
-            t.masks[row, slots, word] &= ~t.dtype(value)
-            doomed = t.unused(slots)
-        t.delete(doomed)  # (a key given twice: its slot twice, which delete allows)
+        t.drop_bit(key_codes(keys), row, word, value, self._tiered)
 
     def _clear(self, bit: int) -> None:
         """Drop the group's bit from every key (a vectorised pass over the table), and the keys left unheld."""
@@ -230,7 +217,7 @@ class CompactPrefixIndex:
         if not keys:
             return []
         t = self._table
-        if len(keys) <= (SMALL if t.capacity <= CACHED_SLOTS else SMALL_LOOKUP) and t.words == 1:
+        if len(keys) <= (SMALL if t.capacity <= CACHED_SLOTS else SMALL_LOOKUP) and t.words == 1 and not t.native:
             mv, cap = t.mask_view, t.capacity
             return [mv[i] | mv[cap + i] | mv[2 * cap + i] if i >= 0 else 0 for i in t.find_small(small_codes(keys))]
         slots = t.find(key_codes(keys))

@@ -23,6 +23,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from router.routing import keytable_native
+
 TIERS = 3  # mask rows per slot: GPU, host RAM, disk
 MAX_LOAD = 0.6  # used slots over capacity above which the table doubles (then 0.3: short probe sequences)
 MIN_CAPACITY = 1024
@@ -37,6 +39,7 @@ class KeyTable:
     def __init__(self, capacity: int = MIN_CAPACITY, word_bits: int = 8, words: int = 1) -> None:
         capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())  # a power of two: probing masks, not mods
         self.word_bits, self.words = word_bits, words
+        self._c = keytable_native.load()  # the C operations (None: numpy and Python only)
         self._set_codes(np.zeros(capacity + WINDOW, np.uint64))
         self.masks = np.zeros((TIERS, capacity, words), _DTYPES[word_bits])
         self.used = 0
@@ -48,6 +51,7 @@ class KeyTable:
         self.codes = padded[: len(padded) - WINDOW]
         self._windows = np.lib.stride_tricks.sliding_window_view(padded, WINDOW)
         self.code_view = padded.data.cast("B").cast("Q")  # the padded codes, for the one-code-at-a-time paths
+        self._codes_at = padded.ctypes.data  # (for the C operations; the array lives as long as the table uses it)
 
     @property
     def masks(self) -> np.ndarray:
@@ -58,6 +62,12 @@ class KeyTable:
         """The masks array (C-contiguous), and a flat memoryview of it (``mask_view``; set ``word_bits`` first)."""
         self._masks = masks
         self.mask_view = masks.data.cast("B").cast(_FORMATS[self.word_bits])  # type: ignore[call-overload]
+        self._masks_at = masks.ctypes.data
+
+    @property
+    def native(self) -> bool:
+        """Whether the C operations serve this table (they take one mask word per tier)."""
+        return self._c is not None and self.words == 1
 
     def _sync(self) -> None:
         """Copy the first slots' codes to the padding (after every change to the codes)."""
@@ -84,6 +94,11 @@ class KeyTable:
         n = len(codes)
         if not n or not self.used:
             return np.full(n, -1, np.int64)
+        if self._c is not None:
+            codes = np.ascontiguousarray(codes, np.uint64)
+            out = np.empty(n, np.int64)
+            self._c.kvgrid_kt_find(self._codes_at, self.capacity, codes.ctypes.data, n, out.ctypes.data)
+            return out
         mask = self.capacity - 1
         pos = (codes & np.uint64(mask)).astype(np.int64)
         seen = self.codes.take(pos)
@@ -262,11 +277,56 @@ class KeyTable:
         self.used += placed
         return slots
 
+    def add_bit(self, codes: np.ndarray, row: int, word: int, value: int) -> None:
+        """Set bit ``value`` of mask word ``word`` in tier ``row`` for each code, inserting the absent ones."""
+        if not self.native:
+            slots = self.insert(codes)  # (first: it may grow the table, replacing its arrays)
+            self.masks[row, slots, word] |= self.dtype(value)
+            return
+        if self.used + len(codes) > MAX_LOAD * self.capacity:
+            self.reserve(len(distinct(codes[self.find(codes) < 0])))
+        codes = np.ascontiguousarray(codes, np.uint64)
+        self.used += self._c.kvgrid_kt_insert(  # type: ignore[union-attr]
+            self._codes_at, self._masks_at, self.masks.itemsize, self.capacity,
+            codes.ctypes.data, len(codes), row, value, None,
+        )  # fmt: skip
+
+    def drop_bit(self, codes: np.ndarray, row: int, word: int, value: int, tiered: bool = True) -> None:
+        """Clear bit ``value`` of mask word ``word`` in tier ``row`` for each code held, and empty the slots left
+        with no bit (``tiered`` False: no slot has a bit below the GPU pool's row, which alone then says)."""
+        if self.native:
+            codes = np.ascontiguousarray(codes, np.uint64)
+            self.used -= self._c.kvgrid_kt_remove(  # type: ignore[union-attr]
+                self._codes_at, self._masks_at, self.masks.itemsize, self.capacity,
+                codes.ctypes.data, len(codes), row, value, int(tiered or row != 0),
+            )  # fmt: skip
+            return
+        slots = self.find(codes)
+        slots = slots[slots >= 0]
+        if not len(slots):
+            return
+        if self.words == 1:  # a plain gather and scatter of the tier's row, and its values say which slots are free
+            column = self.masks[row, :, 0]
+            left = column.take(slots) & ~self.dtype(value)
+            column.put(slots, left)
+            doomed = self.unused(slots) if tiered or row != 0 else slots[left == 0]
+        else:
+            self.masks[row, slots, word] &= ~self.dtype(value)
+            doomed = self.unused(slots)
+        self.delete(doomed)  # (a key given twice: its slot twice, which delete allows)
+
     def _place(self, codes: np.ndarray) -> tuple[np.ndarray, int]:
         """Linear probing for a batch: each pending code looks from its current position for itself or the
         first empty slot (its home slot alone, then ``WINDOW`` slots at a time once few codes are left). Codes
         that pick the same empty slot write their own tags there; the one whose tag stays wins the slot, the
         others look on from it (an equal code then finds it there). Returns the slots and how many were new."""
+        if self._c is not None:
+            codes = np.ascontiguousarray(codes, np.uint64)
+            out = np.empty(len(codes), np.int64)
+            placed = self._c.kvgrid_kt_insert(
+                self._codes_at, None, 0, self.capacity, codes.ctypes.data, len(codes), 0, 0, out.ctypes.data
+            )
+            return out, placed
         table, mask = self.codes, self.capacity - 1
         out = np.empty(len(codes), np.int64)
         pending = np.arange(len(codes))
@@ -321,6 +381,13 @@ class KeyTable:
         """Empty these used slots (a slot may be given twice), keeping every other entry findable. Their masks
         must be zero already (``unused``): only the entries that move carry theirs."""
         if not len(slots):
+            return
+        if self.native:  # the C backward shift, one code at a time: value 0 clears nothing, empties each slot
+            codes = np.ascontiguousarray(self.codes[slots])
+            self.used -= self._c.kvgrid_kt_remove(  # type: ignore[union-attr]
+                self._codes_at, self._masks_at, self.masks.itemsize, self.capacity,
+                codes.ctypes.data, len(codes), 0, 0, 1,
+            )  # fmt: skip
             return
         if len(slots) * 8 > self.used:  # a large share of the table: insert the survivors into fresh arrays
             slots = distinct(slots)
@@ -457,6 +524,7 @@ class KeyTable:
         head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         table = cls.__new__(cls)
         table.word_bits, table.words, table.used = head["word_bits"], head["words"], head["used"]
+        table._c = keytable_native.load()
         cap = head["capacity"]
         table._set_codes(np.empty(cap + WINDOW, np.uint64))
         _read_into(f, table.codes)

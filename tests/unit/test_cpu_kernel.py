@@ -103,7 +103,7 @@ def test_a_missing_source_is_warned_about_once_naming_the_file(fresh, monkeypatc
         assert cpu_kernel.load() is None  # the engine's norms and attention each ask: one warning in all
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert f"kernel source missing from the install: {gone}" in warnings[0]
+    assert f"source missing from the install: {gone}" in warnings[0]
     assert "using the torch path" in warnings[0]
     assert not list(fresh.glob("*.so"))
 

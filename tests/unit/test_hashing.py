@@ -124,3 +124,15 @@ def test_an_adapter_root_differs_from_the_base_and_from_other_adapters():
     assert tenant_root_key("s", "acme", adapter=None) == base
     roots = RootKeys("s")
     assert roots("acme") == base and roots("acme", "a" * 32) == a and roots("acme", None) == base
+
+
+def test_a_prompt_as_an_array_hashes_like_the_list_and_out_of_range_ids_are_refused():
+    from common.hashing import token_array
+
+    tokens = [0, 1, 2**32 - 1, 70000] * 40
+    as_array = token_array(tokens)
+    assert as_array.typecode == "I" and token_array(as_array) is as_array
+    assert block_keys(as_array, 16, b"r" * 16) == block_keys(tokens, 16, b"r" * 16)
+    assert block_keys(as_array[16:], 16, b"r" * 16) == block_keys(tokens[16:], 16, b"r" * 16)
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        token_array([2**32])

@@ -1,9 +1,6 @@
 """The CPU kernels: paged decode attention (``cpu_decode.c``) and the residual add fused with RMSNorm
 (``worker/layers/cpu_norm.c``), built into one library once per machine with the system's C compiler, loaded
-through ctypes.
-
-The build is cached under ``$KVGRID_KERNEL_CACHE`` (default ``~/.cache/kvgrid/kernels``), keyed by the source,
-the flags, the compiler and the CPU's feature flags (it is compiled for the CPU it runs on, ``-march=native``).
+through ctypes (``common/native.py``: cached under ``$KVGRID_KERNEL_CACHE``, compiled for the CPU it runs on).
 Without a compiler or the sources, or when the build or the load fails, ``load`` returns None and attention and
 norms stay on the torch path, after one warning naming the cause (logger ``kvgrid.worker``; nothing falls back
 silently).
@@ -14,17 +11,13 @@ silently).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from common import env
+from common import env, native
 
 log = logging.getLogger("kvgrid.worker")
 
@@ -43,49 +36,9 @@ def choice() -> str:
     return env.cpu_attention()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def find_compiler() -> str | None:
-    """The C compiler the kernel is built with: ``$CC``, else ``cc`` or ``gcc`` on the PATH (None: none)."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    return env.kernel_cache()
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in SOURCES), *FLAGS, version, _cpu_flags()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_decode-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed into place: processes building at once never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """The C compiler the kernel is built with (``common/native.py``)."""
+    return native.find_compiler()
 
 
 def load() -> ctypes.CDLL | None:
@@ -96,14 +49,8 @@ def load() -> ctypes.CDLL | None:
         return None
     if not _tried:
         _tried = True
-        compiler = find_compiler()
         try:
-            if compiler is None:
-                raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-            missing = [str(source) for source in SOURCES if not source.is_file()]
-            if missing:  # an install without the package data (pyproject.toml's [tool.setuptools.package-data])
-                raise FileNotFoundError(f"kernel source missing from the install: {', '.join(missing)}")
-            lib = ctypes.CDLL(str(_build(compiler)))
+            lib = ctypes.CDLL(str(native.build("cpu_decode", SOURCES, FLAGS, find_compiler())))
             fn = lib.kvgrid_paged_decode
             fn.restype = ctypes.c_int
             fn.argtypes = [
