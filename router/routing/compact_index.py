@@ -372,20 +372,34 @@ class CompactPrefixIndex:
 
     # -- snapshot ---------------------------------------------------------------------------------------------
 
-    def write(self, f: BinaryIO) -> None:
-        """Write the index to ``f`` as one buffer: a small header (the groups' bits) and the table's raw arrays."""
-        self._table.write(f, {"groups": self._bit, "free_bits": self._free_bits, "tiered": self._tiered})
+    def write(self, f: BinaryIO, extra: dict | None = None) -> None:
+        """Write the index to ``f`` as one buffer: a small header (the groups' bits, and ``extra``, JSON that the
+        caller reads back with ``read_extra``) and the table's raw arrays."""
+        meta = {"groups": self._bit, "free_bits": self._free_bits, "tiered": self._tiered, "extra": extra or {}}
+        self._table.write(f, meta)
 
     @classmethod
     def read(cls, f: BinaryIO) -> CompactPrefixIndex:
         """An index as ``write`` wrote it."""
+        return cls.read_extra(f)[0]
+
+    @classmethod
+    def read_extra(cls, f: BinaryIO) -> tuple[CompactPrefixIndex, dict]:
+        """An index as ``write`` wrote it, and the ``extra`` written with it."""
         index = cls()
         index._table, head = KeyTable.read(f)
         index._bit = {g: int(b) for g, b in head["groups"].items()}
         index._by_bit = None
         index._free_bits = [int(b) for b in head["free_bits"]]
         index._tiered = bool(head.get("tiered", True))
-        return index
+        return index, head.get("extra", {})
+
+    def copy(self) -> CompactPrefixIndex:
+        """An independent copy (the arrays copied: a snapshot of this moment that later events leave alone)."""
+        other = CompactPrefixIndex()
+        other._table = self._table.copy()
+        other._bit, other._free_bits, other._tiered = dict(self._bit), list(self._free_bits), self._tiered
+        return other
 
     def to_bytes(self) -> bytes:
         import io
@@ -400,18 +414,22 @@ class CompactPrefixIndex:
 
         return cls.read(io.BytesIO(data))
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
         """``write`` to a file, through a temporary name so that a reader never sees half a snapshot."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            self.write(f)
+            self.write(f, extra)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> CompactPrefixIndex:
+        return cls.load_extra(path)[0]
+
+    @classmethod
+    def load_extra(cls, path: str | Path) -> tuple[CompactPrefixIndex, dict]:
         with open(path, "rb") as f:
-            return cls.read(f)
+            return cls.read_extra(f)
 
 
 class _Walk:

@@ -503,6 +503,14 @@ class KeyTable:
         out = [np.bincount(as_bytes[:, b], minlength=256) @ bits_of for b in range(as_bytes.shape[1])]
         return np.concatenate(out)
 
+    def copy(self) -> KeyTable:
+        """An independent copy of the table (its arrays copied)."""
+        other = KeyTable.__new__(KeyTable)
+        other.word_bits, other.words, other.used, other._c = self.word_bits, self.words, self.used, self._c
+        other._set_codes(self._padded.copy())
+        other.masks = self.masks.copy()
+        return other
+
     # -- snapshot -------------------------------------------------------------------------------------------------
 
     def write(self, f: BinaryIO, meta: dict) -> None:
