@@ -5,9 +5,11 @@
 
 ``worker.bench.run_lora`` (``kvgrid bench lora``: decode tokens/s of a batch of 32 over 8 adapters of rank 16 on all
 seven projections vs. the same batch without adapters) on the demo model and on random bfloat16 weights of
-Llama-3-8B's layers (bench/gpu_checks.py's shape), each with CUDA graphs (a step with an adapter runs eagerly while
-the plain batch replays its graph) and with both batches eager (the cost of the LoRA matmuls alone). Every result is
-written to ``--out`` (default ``$OUT``, else ``gpu-lora/``) as it comes, then one markdown table is printed.
+Llama-3-8B's layers (bench/gpu_checks.py's shape), each with CUDA graphs (both batches replay graphs: the plain one
+its plain graph, the one with adapters the graph through the masked LoRA path, every token times all 8 slots of
+rank ``max_lora_rank``, 64 by default) and with both batches eager (the grouped LoRA matmuls, each slot its own rows).
+Every result is written to ``--out`` (default ``$OUT``, else ``gpu-lora/``) as it comes, then one markdown table is
+printed.
 """
 
 from __future__ import annotations

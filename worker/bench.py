@@ -359,7 +359,14 @@ def run_lora(
     targets; requests of one adapter not neighbours in the batch) vs. the same batch without adapters: the
     median of ``repeats`` paired runs and their ratio (target >= 0.7)."""
     engine = Engine(
-        EngineConfig(model=model, device=device, max_loras=num_adapters, cuda_graphs=cuda_graphs, num_blocks=num_blocks)
+        EngineConfig(
+            model=model,
+            device=device,
+            max_loras=num_adapters,
+            cuda_graphs=cuda_graphs,
+            lora_graphs=cuda_graphs,
+            num_blocks=num_blocks,
+        )
     )
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvgrid-bench-lora-") as tmp:

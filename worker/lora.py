@@ -1,10 +1,15 @@
 """Batched LoRA: PEFT adapters in a fixed number of device slots, applied per token by slot in one step.
 
 Each LoRA-capable projection (fused Q/K/V, o_proj, fused gate/up, down_proj) gets, once the first adapter is
-loaded, two stacked tensors over the slots: ``A`` [slots, k * max_rank, in] and ``Bt`` [slots, k * max_rank, out]
-(B transposed, the adapter's scaling folded in), ``k`` the sub-projections the module fuses. A slot packs the
-targets its adapter has, ``rank`` rows each, and records the rows used (``width``): a step multiplies only those
-(``LoraBatch.add``), so neither the padding to ``max_rank`` nor an untargeted projection costs anything.
+loaded (at start-up with decode graphs), two stacked tensors over the slots: ``A`` [slots, k * max_rank, in] and
+``Bt`` [slots, k * max_rank, out] (B transposed, the adapter's scaling folded in), ``k`` the sub-projections the
+module fuses. A slot packs the targets its adapter has, ``rank`` rows each, and records the rows used (``width``):
+a step multiplies only those (``LoraBatch.add``), so neither the padding to ``max_rank`` nor an untargeted projection
+costs anything.
+
+A decode step replayed from a CUDA graph needs fixed shapes: there every token is multiplied by every slot's rows
+and the terms of the slots it does not run under are zeroed (``LoraBatch.masked``), which B's layout (each
+sub-target's rows already write only their own output columns) turns into the same sum.
 
 Tensor parallel: a column-parallel module takes this rank's rows of B (the slices its base weight loader takes)
 and A whole; a row-parallel one takes this rank's columns of A and B whole, and adds its term before the
@@ -65,8 +70,10 @@ class AdapterWeights:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def load_adapter(spec: AdapterSpec, mcfg: ModelConfig) -> AdapterWeights:
-    """Read and check an adapter's weights against the model (every layer of every target, exact shapes)."""
+def load_adapter(spec: AdapterSpec, mcfg: ModelConfig, dtype: torch.dtype = torch.float32) -> AdapterWeights:
+    """Read and check an adapter's weights against the model (every layer of every target, exact shapes, finite in
+    ``dtype``: the masked path multiplies every slot's weights by zero for other adapters' tokens, and an
+    infinite weight would turn that zero into NaN)."""
     where = f"adapter {spec.path!r}"
     try:
         raw = load_file(str(Path(spec.path) / WEIGHTS_FILE))
@@ -97,7 +104,10 @@ def load_adapter(spec: AdapterSpec, mcfg: ModelConfig) -> AdapterWeights:
             if a is None or b is None:
                 missing = "lora_A" if a is None else "lora_B"
                 raise AdapterError(f"{where}: {WEIGHTS_FILE} lacks layer {layer}'s {target}.{missing}")
-            tensors[(layer, target)] = (a.float().contiguous(), (b.float() * spec.scaling).contiguous())
+            a, b = a.float().contiguous(), (b.float() * spec.scaling).contiguous()
+            if not (a.to(dtype).isfinite().all() and b.to(dtype).isfinite().all()):
+                raise AdapterError(f"{where}: layer {layer}'s {target} has weights that are not finite in {dtype}")
+            tensors[(layer, target)] = (a, b)
     return AdapterWeights(spec, tensors)
 
 
@@ -117,6 +127,7 @@ class ModuleLora:
         self.A = self.Bt = torch.empty(0)
 
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Once: the decode graphs capture these tensors' addresses, so loads copy into them, never replace them."""
         shape = (self.max_loras, self.rows)
         self.A = torch.zeros(*shape, self.in_features, device=device, dtype=dtype)
         self.Bt = torch.zeros(*shape, self.out_features, device=device, dtype=dtype)
@@ -169,6 +180,7 @@ class LoraBatch:
         self.runs = runs
         self.perm: torch.Tensor | None = None  # the gathered rows (padded: [slots * longest group])
         self.padded = False
+        self.drop: torch.Tensor | None = None  # masked: [tokens, slots, 1], True where a token's term is zeroed
         self.slots = sorted({s for s, _, _ in runs})
         if len(runs) <= 2:
             return
@@ -192,11 +204,26 @@ class LoraBatch:
                 rows.extend(g)
         self.perm = torch.tensor(rows, dtype=torch.int64, device=device)
 
+    @classmethod
+    def masked(cls, seq_slots: torch.Tensor, max_loras: int) -> LoraBatch:
+        """The static-shape form, for one token per sequence (a decode step replayed from a CUDA graph): each
+        token times every slot's rows, the other slots' terms zeroed. ``seq_slots`` [tokens] is a device tensor
+        (slot -1: the base model, or a padding row); only its values change between replays."""
+        batch = cls((), [0], seq_slots.device)
+        batch.drop = (seq_slots[:, None] != torch.arange(max_loras, device=seq_slots.device))[:, :, None]
+        return batch
+
     def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``) plus ``x A[s]^T B[s]^T`` for the tokens of each slot ``s``."""
         lw: ModuleLora | None = getattr(module, "lora", None)
         if lw is None:
             return y
+        if self.drop is not None:
+            slots, rows = lw.A.shape[:2]
+            t = x @ lw.A.view(slots * rows, -1).T
+            # A fill, not a product with a 0/1 mask: another slot's term may overflow, and inf * 0 is NaN.
+            t.view(-1, slots, rows).masked_fill_(self.drop, 0)
+            return y.addmm_(t, lw.Bt.view(slots * rows, -1))
         if self.perm is None:
             for s, a, b in self.runs:
                 w = lw.width[s]
@@ -263,6 +290,13 @@ class LoraManager:
         """The ids of the adapters loaded in device slots."""
         return [a for a in self.loaded if a is not None]
 
+    def allocate(self) -> None:
+        """Room for every slot in every projection (once; zeros: an empty slot adds nothing)."""
+        if not self.allocated:
+            for m in self.modules:
+                m.allocate(self.device, self.dtype)
+            self.allocated = True
+
     def slot_of(self, adapter_id: str) -> int:
         return self.owner.index(adapter_id)
 
@@ -285,7 +319,7 @@ class LoraManager:
             raise AdapterError(
                 f"adapter {path!r}: the folder changed since it was admitted (id {spec.id}, not {adapter_id})"
             )
-        w = load_adapter(spec, self.mcfg)
+        w = load_adapter(spec, self.mcfg, self.dtype)
         if self.max_cpu_loras > 0:
             self.host[adapter_id] = w
             while len(self.host) > self.max_cpu_loras:
@@ -316,10 +350,7 @@ class LoraManager:
             if self.loaded[slot] == adapter_id:
                 continue
             w = self._host_copy(adapter_id, path)
-            if not self.allocated:  # the first adapter: room for all slots (nothing is spent without adapters)
-                for m in self.modules:
-                    m.allocate(self.device, self.dtype)
-                self.allocated = True
+            self.allocate()  # the first adapter's load, unless the decode graphs allocated the slots at start-up
             self.loaded[slot] = None
             for m in self.modules:
                 m.write(slot, w)

@@ -1,14 +1,16 @@
 """Runs the model for one scheduled step: builds the ragged batch, owns the KV cache tensors.
 
 On CUDA (one rank), decode-only steps replay CUDA graphs captured at start-up for a set of batch sizes, the batch
-padded up to the nearest one (``DecodeGraphs``); everything else runs eagerly.
+padded up to the nearest one (``DecodeGraphs``), with LoRA adapters too (a second set of graphs through the masked
+LoRA path); everything else runs eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -21,6 +23,8 @@ from worker.kv_tiers import KVTiersConfig, StagePlan, TierOps
 from worker.lora import LoraBatch, LoraManager
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledSeq
+
+_log = logging.getLogger("kvgrid.worker")
 
 
 class StepInputs(NamedTuple):
@@ -194,11 +198,10 @@ class ModelRunner:
         self.pick_threads(inp)
         if inp.block_copies:
             self.copy_blocks(inp.block_copies)
-        lora = LoraBatch(inp.seq_loras, inp.query_start_loc, self.device) if inp.seq_loras else None
-        # The decode graphs were captured without adapters: a step with any adapter runs eagerly.
-        if lora is None and self.graphs is not None and self.graphs.fits(inp):
+        if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.run(inp)
         else:
+            lora = LoraBatch(inp.seq_loras, inp.query_start_loc, self.device) if inp.seq_loras else None
             hidden = self._forward(inp) if lora is None else self._forward(inp, lora)
         if self.tiers is not None and not self.defer_tier_writes:
             self.tiers.write_pending()
@@ -249,7 +252,8 @@ class ModelRunner:
         return self.model(input_ids, positions, ForwardContext(self.backend, self.kv_cache, md, lora))
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs (CUDA, a backend whose kernels can be captured); else stay eager. One rank
+        """Capture decode graphs (CUDA, a backend whose kernels can be captured), with LoRA ones when the
+        adapter slots were allocated at the start (``EngineConfig.lora_graphs``); else stay eager. One rank
         only: with tensor parallelism every rank would have to capture its collectives in lockstep, which this
         does not arrange, so a tensor-parallel group runs eagerly."""
         if self.device.type == "cuda" and tp_size() == 1 and self.backend.supports_cuda_graphs:
@@ -332,13 +336,21 @@ def pad_decode_inputs(inp: StepInputs, size: int) -> StepInputs:
         seq_lens=inp.seq_lens + [1] * pad,
         block_tables=inp.block_tables + [[0]] * pad,
         sample_rows=list(range(n)),
+        seq_loras=inp.seq_loras + (-1,) * pad if inp.seq_loras else (),  # (no adapter: a zero LoRA term)
     )
 
 
 class DecodeGraphs:
     """Decode steps as CUDA graph replays: one graph per batch size in ``sizes``, all reading static input
     buffers that each step fills (padded, ``pad_decode_inputs``). The graphs are captured with the longest
-    context (``max_blocks`` blocks), so launch-time choices made from it (split-KV) suit any context."""
+    context (``max_blocks`` blocks), so launch-time choices made from it (split-KV) suit any context.
+
+    With the adapter slots allocated at the start (``EngineConfig.lora_graphs``), a second graph per size adds
+    every projection's masked LoRA term (``LoraBatch.masked``: every token times all ``max_loras`` slots' rows,
+    the other slots' terms zeroed), reading the static ``lora_slots`` (each row's slot, -1 for the base model and
+    the padding rows) and the slot tensors, which adapter loads fill in place. A step without adapters replays
+    the plain graph: the masked term costs two matmuls over every slot's ``max_rank`` rows per projection even
+    when all of it is zeroed."""
 
     def __init__(self, runner: ModelRunner, sizes: list[int], max_blocks: int) -> None:
         self.runner, self.sizes, self.max_blocks = runner, sizes, max_blocks
@@ -349,23 +361,36 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora_slots: torch.Tensor | None = None  # each row's adapter slot (LoRA enabled)
+        if runner.lora is not None and runner.lora.allocated:  # (EngineConfig.lora_graphs: slots made at the start)
+            self.lora_slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        # (size, with LoRA) -> the graph and its output; a step with adapters fits only if its LoRA graph exists
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.with_lora = False  # the LoRA graphs were captured
 
     def fits(self, inp: StepInputs) -> bool:
-        """A decode-only step (one token per sequence) of at most the largest captured size."""
-        return len(inp.input_ids) == len(inp.seq_lens) <= self.sizes[-1]
+        """A decode-only step (one token per sequence) of at most the largest captured size, without adapters
+        or with the LoRA graphs captured."""
+        return len(inp.input_ids) == len(inp.seq_lens) <= self.sizes[-1] and (self.with_lora or not inp.seq_loras)
 
     def load(self, inp: StepInputs) -> int:
-        """Copy a step into the static buffers; returns the captured size it is padded to."""
+        """Copy a step into the static buffers (a step with adapters: each row's slot into ``lora_slots`` too);
+        returns the captured size it is padded to."""
         size = pick_graph_size(len(inp.seq_lens), self.sizes)
         assert size is not None
         p = pad_decode_inputs(inp, size)
-        vecs = torch.tensor(p.input_ids + p.positions + p.slot_mapping + p.seq_lens, dtype=torch.int64)
-        vecs = vecs.to(self.runner.device, non_blocking=True).view(4, size)
+        rows = [p.input_ids, p.positions, p.slot_mapping, p.seq_lens]
+        if p.seq_loras:
+            rows.append(list(p.seq_loras))
+        vecs = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
+        vecs = vecs.to(self.runner.device, non_blocking=True).view(len(rows), size)
         self.input_ids[:size].copy_(vecs[0])
         self.positions[:size].copy_(vecs[1])
         self.slots[:size].copy_(vecs[2])
         self.seq_lens[:size].copy_(vecs[3])
+        if p.seq_loras:
+            assert self.lora_slots is not None
+            self.lora_slots[:size].copy_(vecs[4])
         # Only the columns the longest row uses: building and copying all max_blocks columns (thousands, for a long
         # max_model_len) cost tens of ms per step. What is left past a row's length from earlier steps is stale
         # but never read (keys past seq_len are masked), and a padding row reads only its column 0.
@@ -373,8 +398,9 @@ class DecodeGraphs:
         self.block_tables[:size, :width].copy_(_block_table(p.block_tables, width), non_blocking=True)
         return size
 
-    def forward(self, size: int) -> torch.Tensor:
-        """The model over the first ``size`` rows of the static buffers (what each graph captures)."""
+    def forward(self, size: int, lora: bool = False) -> torch.Tensor:
+        """The model over the first ``size`` rows of the static buffers (what each graph captures), with the
+        masked LoRA term of ``lora_slots`` if ``lora``."""
         md = AttentionMetadata(
             slot_mapping=self.slots[:size],
             query_start_loc=self.query_start_loc[: size + 1],
@@ -386,23 +412,46 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_blocks * self.runner.block_size] * size,
         )
         r = self.runner
-        return r.model(self.input_ids[:size], self.positions[:size], ForwardContext(r.backend, r.kv_cache, md))
+        batch = None
+        if lora:
+            assert self.lora_slots is not None and r.lora is not None
+            batch = LoraBatch.masked(self.lora_slots[:size], r.lora.max_loras)
+        ctx = ForwardContext(r.backend, r.kv_cache, md, batch)
+        return r.model(self.input_ids[:size], self.positions[:size], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = None
+        """The plain graphs, then (LoRA enabled) the LoRA ones in the same memory pool; should a LoRA capture
+        fail, steps with adapters stay eager and the plain graphs serve on."""
+        pool = self._capture(False, None)
+        if self.lora_slots is None:
+            return
+        assert self.runner.lora is not None
+        stream = torch.cuda.current_stream(self.runner.device)
+        try:
+            self._capture(True, pool)
+        except Exception:  # (out of memory, say)
+            _log.exception("CUDA graphs with LoRA could not be captured: decode steps with adapters run eagerly")
+            torch.cuda.set_stream(stream)  # (a capture that failed in capture_end leaves its side stream current)
+            for size in self.sizes:
+                self.graphs.pop((size, True), None)
+        else:
+            self.with_lora = True
+
+    def _capture(self, lora: bool, pool: Any) -> Any:
+        """Capture one graph per size (with or without the LoRA term) into ``pool``; returns the pool."""
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            self.forward(size)  # compiles the kernels, outside the capture (slots are -1: nothing is written)
+            self.forward(size, lora)  # compiles the kernels, outside the capture (slots are -1: nothing is written)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(size)
+                out = self.forward(size, lora)
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[(size, lora)] = (graph, out)
+        return pool
 
     def run(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states of the step's sequences (the padding rows dropped)."""
-        size = self.load(inp)
-        graph, out = self.graphs[size]
+        graph, out = self.graphs[(self.load(inp), bool(inp.seq_loras))]
         graph.replay()
         return out[: len(inp.seq_lens)]

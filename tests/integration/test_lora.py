@@ -1,6 +1,7 @@
 """LoRA adapters in the engine against PEFT (transformers + peft, float32), token for token: three adapters of
-different ranks and targets and the base model in one batch; the KV cache kept apart per adapter; bad adapter
-folders refused with the problem named, the engine serving on."""
+different ranks and targets and the base model in one batch, eagerly and through the decode graphs' static buffers
+and masked LoRA path; the KV cache kept apart per adapter; bad adapter folders refused with the problem named, the
+engine serving on."""
 
 from __future__ import annotations
 
@@ -149,6 +150,14 @@ def _set(field, value):
     return edit
 
 
+def _infinite_weight(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    next(iter(weights.values()))[0, 0] = float("inf")
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -159,6 +168,7 @@ def _set(field, value):
         (_set("target_modules", ".*proj"), "regular expression"),
         (_set("use_dora", True), "use_dora"),
         (_set("r", 8), r"has shape \[4, 256\]; this model needs \[8, 256\]"),
+        (_infinite_weight, "not finite in torch.float32"),  # (the masked path would spread its NaN to other rows)
     ],
 )
 def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(engine, adapters, tmp_path, edit, match):
@@ -248,3 +258,96 @@ def test_a_tensor_parallel_group_loads_each_ranks_shard_and_matches_peft(ray_loc
             assert out.token_ids == expected[name][0], name
     finally:
         group.shutdown()
+
+
+class EagerReplay:
+    """A captured decode graph's stand-in on CPU: ``replay`` runs the forward it would have recorded, on the same
+    static buffers, into the same output tensor."""
+
+    def __init__(self, graphs, size: int, lora: bool, out: torch.Tensor) -> None:
+        self.graphs, self.size, self.lora, self.out, self.replays = graphs, size, lora, out, 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.graphs.forward(self.size, self.lora))
+        self.replays += 1
+
+
+def _graph_engine(demo_path, sizes: list[int]):
+    """A CPU engine (Triton attention under the interpreter: it skips the padding rows' KV slot -1) whose decode
+    steps go through ``DecodeGraphs`` as on CUDA, each graph replayed eagerly."""
+    from worker.model_runner import DecodeGraphs
+
+    engine = Engine(
+        EngineConfig(
+            model=str(demo_path), device="cpu", attention_backend="triton", num_blocks=64, max_loras=3, max_lora_rank=16
+        )
+    )
+    runner = engine.runner
+    runner.lora.allocate()  # (what EngineConfig.lora_graphs does on CUDA, before the KV cache)
+    graphs = DecodeGraphs(runner, sizes, max_blocks=engine.max_model_len // engine.config.block_size)
+    hidden = engine.model_config.hidden_size
+    for size in sizes:
+        for lora in (False, True):
+            out = torch.empty(size, hidden, dtype=engine.dtype)
+            graphs.graphs[(size, lora)] = (EagerReplay(graphs, size, lora, out), out)
+    graphs.with_lora = True
+    runner.graphs = graphs
+    return engine, graphs
+
+
+def test_decode_steps_through_the_graph_buffers_and_masked_lora_match_peft(demo_path, adapters):
+    folders, expected = adapters
+    engine, graphs = _graph_engine(demo_path, [2, 4, 16])
+    names = [None, *ADAPTERS]
+    subs = [Submit(p, GREEDY, adapter=AdapterRef.of(folders[n]) if n else None) for p in PROMPTS for n in names]
+    outs = list(_run(engine, subs).values())
+    for i, out in enumerate(outs):
+        assert out.token_ids == expected[names[i % 4]][i // 4], f"adapter {names[i % 4]}, prompt {i // 4}"
+    # 12 sequences padded to 16 (four rows of slot -1) through the LoRA graph; base-only steps the plain one
+    assert graphs.graphs[(16, True)][0].replays == MAX_NEW - 1
+    base = list(_run(engine, [Submit(p, GREEDY) for p in PROMPTS]).values())
+    assert [o.token_ids for o in base] == expected[None]
+    assert graphs.graphs[(4, False)][0].replays == MAX_NEW - 1
+
+
+def test_a_masked_decode_step_matches_the_grouped_one(demo_path, adapters):
+    from worker.lora import LoraBatch
+
+    folders, _ = adapters
+    engine, graphs = _graph_engine(demo_path, [8])
+    refs = [None, "all", "attn", "mlp", "all"]
+    for p, n in zip(PROMPTS + PROMPTS, refs):
+        engine.add_request(Submit(p, GREEDY, adapter=AdapterRef.of(folders[n]) if n else None))
+    for _ in range(3):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert all(n == 1 for _, n in batch) and len(batch) == len(refs)
+    runner = engine.runner
+    inp = runner.prepare(batch)
+    assert sorted(inp.seq_loras) == [-1, 0, 0, 1, 2]
+    before = runner.kv_cache.clone()
+    with torch.inference_mode():
+        assert graphs.load(inp) == 8 and graphs.lora_slots.tolist() == list(inp.seq_loras) + [-1] * 3
+        masked = runner.model.compute_logits(graphs.forward(8, lora=True)[: len(refs)])
+        after_masked = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        eager = LoraBatch(inp.seq_loras, inp.query_start_loc, runner.device)
+        grouped = runner.model.compute_logits(runner._forward(inp, eager))
+    # Float32 rounding: the masked matmuls sum over every slot's rows (zeros included) in another order (logits
+    # ~30-40 here, differences ~3e-5).
+    torch.testing.assert_close(masked, grouped, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(after_masked, runner.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_serve_asks_for_lora_graphs_only_when_a_tenant_has_adapters_at_the_start(adapters):
+    """Allocating every adapter slot at the start (for the LoRA decode graphs) costs GPU memory the KV cache
+    would have had: only a deployment with adapters pays it."""
+    from common.config import ServeConfig
+    from router.control.serve import _engine_config
+
+    folders, _ = adapters
+    plain = {"name": "a", "api_keys": ["sk-aaaaaaaaaaaa"]}
+    with_adapter = {"name": "b", "api_keys": ["sk-bbbbbbbbbbbb"], "adapters": {"x": str(folders["attn"])}}
+    for tenants, want in (([plain], False), ([plain, with_adapter], True)):
+        cfg = ServeConfig.model_validate({"tenants": tenants})
+        assert _engine_config(cfg, "demo", "secret", False).lora_graphs is want
