@@ -223,7 +223,9 @@ class CompactPrefixIndex:
         slots = t.find(key_codes(keys))
         if t.words == 1:  # one plain gather per tier (slot -1 reads the last slot: masked out after)
             m = t.masks
-            one = m[0, :, 0].take(slots) | m[1, :, 0].take(slots) | m[2, :, 0].take(slots)
+            one = m[0, :, 0].take(slots)
+            if self._tiered:  # (else those rows are zero: reading them would only fault their pages in)
+                one |= m[1, :, 0].take(slots) | m[2, :, 0].take(slots)
             one[slots < 0] = 0
             return one.tolist()
         found = slots >= 0
