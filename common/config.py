@@ -220,10 +220,10 @@ class KVTiersServeConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """The router's prefix index (router/routing/index.py) and cost policy (router/routing/policy.py;
-    docs/routing.md): what a hit a group holds in host RAM or on disk costs, in prefill-token equivalents per token
-    (a load's time counted in prefill time; 0.04 and 0.4 by default: 16k prefill tokens/s against loads of 400k
-    and 40k tokens/s)."""
+    """The router's prefix index (router/routing/index.py), whether its replicas share routes, and its cost policy
+    (router/routing/policy.py; docs/routing.md): what a hit a group holds in host RAM or on disk costs, in
+    prefill-token equivalents per token (a load's time counted in prefill time; 0.04 and 0.4 by default: 16k
+    prefill tokens/s against loads of 400k and 40k tokens/s)."""
 
     host_load_weight: float = Field(
         0.04,
@@ -238,10 +238,32 @@ class RoutingConfig(_Strict):
         description="What a cached token held on disk costs to use, in prefill-token equivalents",
     )
     index: Literal["dict", "compact"] = Field(
-        "dict",
-        description="Each router replica's prefix index: dict (fastest routing and event application, about 150 "
-        "bytes per block key) or compact (numpy arrays, about 15-40 bytes per key, for tens of millions of keys)",
+        "compact",
+        description="Each router replica's prefix index: compact (an open-addressing table in numpy arrays, its "
+        "operations in C where a compiler is found: about 15-40 bytes per block key, the fastest) or dict (a Python "
+        "dict, about 150 bytes per key)",
     )
+    share_routes: bool = Field(
+        True,
+        description="Every router replica counts every request's load and predictions: a gateway tells the other "
+        "replicas of each route and all of them of its progress (off: only the replica that routed it, which then "
+        "prices the groups on its own share of the load)",
+    )
+    snapshot_dir: str | None = Field(
+        None,
+        description="Where each router replica writes its index (and the event stream cursors it matches) every "
+        "``snapshot_interval_s``, ``<dir>/kvgrid-router-<i>.snap`` on its node; a replica that Ray restarts loads "
+        "it and reads the streams on from there instead of from their start. Needs the compact index",
+    )
+    snapshot_interval_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Seconds between a router replica's index snapshots"
+    )
+
+    @model_validator(mode="after")
+    def _snapshots_need_the_compact_index(self) -> RoutingConfig:
+        if self.snapshot_dir is not None and self.index != "compact":
+            raise ValueError("routing.snapshot_dir needs routing.index: compact (the dict index has no snapshot)")
+        return self
 
 
 class LoraConfig(_Strict):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from common.protocol import RankHandle, RouterHandle, SupervisorHandle
-    from router.routing.router import RouteDecision
+    from router.routing.router import RouteDecision, RouteNote
 
 
 class RouterClient:
@@ -54,7 +54,7 @@ class RouterClient:
     def on_finish(self, request_id: str) -> ObjectRef[None]:
         return self.handle.on_finish.remote(request_id)
 
-    def report(self, events: Sequence[tuple[str, str]]) -> ObjectRef[None]:
+    def report(self, events: Sequence[tuple[str, str | RouteNote]]) -> ObjectRef[None]:
         return self.handle.report.remote(events)
 
     def report_failure(self, group: str, reason: str) -> ObjectRef[None]:

@@ -91,10 +91,7 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    # Decode steps with adapters replay CUDA graphs of their own (cuda_graphs on): the adapter slots are then
-    # allocated at the start, before the KV cache is sized (max_loras x max_lora_rank rows per projection; about
-    # 4 GB for an 8B model at the defaults). ``kvgrid serve`` sets it when a tenant has adapters at the start.
-    lora_graphs: bool = False
+    lora_graphs: bool = False  # CUDA graphs for adapters' decode steps; slots allocated before the KV cache
 
     def __post_init__(self) -> None:
         if not is_power_of_two(self.block_size):
@@ -142,7 +139,7 @@ def build_runner(config: EngineConfig, secret: bytes | str | None = None) -> Mod
     runner.decode_threads = config.decode_threads
     runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)  # (before packing)
     if runner.lora is not None and config.lora_graphs and config.cuda_graphs and device.type == "cuda":
-        runner.lora.allocate()  # before the KV cache takes what memory is left: the LoRA graphs read these slots
+        runner.lora.allocate()  # (before the KV cache takes what memory is left)
     runner.allocate_kv_cache(config.num_blocks, config.kv_cache_bytes, config.gpu_memory_utilization)
     runner.enable_kv_tiers(config.kv_tiers, secret if secret is not None else engine_secret(config))
     if device.type == "cpu" and dtype == torch.bfloat16:  # after the tiers' fingerprint, which reads the weights

@@ -152,6 +152,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
         args.seed,
         progress=not args.json,
         index=args.index,
+        share_routes=args.share_routes,
     )
     print(json.dumps(r, indent=2) if args.json else format_fleet(r))
     return 0
@@ -291,7 +292,7 @@ def _add_bench_route(bsub) -> None:
     r.add_argument("--groups", type=int, default=8)
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--calls", type=int, default=300)
-    r.add_argument("--index", choices=["dict", "compact"], default="dict", help="the prefix index to measure")
+    r.add_argument("--index", choices=["dict", "compact"], default="compact", help="the prefix index to measure")
     r.set_defaults(func=_cmd_bench_route)
 
 
@@ -314,7 +315,13 @@ def _add_bench_fleet(bsub) -> None:
     )
     f.add_argument("--capacity-tokens", type=int, default=131072, help="KV cache tokens per group")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--index", choices=["dict", "compact"], default="dict", help="the replicas' prefix index")
+    f.add_argument("--index", choices=["dict", "compact"], default="compact", help="the replicas' prefix index")
+    f.add_argument(
+        "--no-share-routes",
+        dest="share_routes",
+        action="store_false",
+        help="each replica hears only of the requests it routed (routing: {share_routes: false})",
+    )
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=_cmd_bench_fleet)
 

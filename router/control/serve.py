@@ -242,7 +242,7 @@ def run(
                 max_restarts=-1,
                 **front,
             )
-            .remote({}, secret, cfg.block_size, **_router_args(cfg, url))
+            .remote({}, secret, cfg.block_size, **_router_args(cfg, url), snapshot_path=_snapshot_path(cfg, i))
             for i in range(cfg.router_replicas)
         ]
         template = GroupConfig(
@@ -315,10 +315,18 @@ def _router_args(cfg: ServeConfig, redis_url: str) -> dict:
         "max_queued_prefill_tokens": cfg.max_queued_prefill_tokens,
         "tenant_shares": {t.name: t.cache.share for t in cfg.tenants},
         "supervisor": SUPERVISOR_NAME,
-        "policy_args": cfg.routing.model_dump(exclude={"index"}),
+        "policy_args": cfg.routing.model_dump(exclude={"index", "share_routes", "snapshot_dir", "snapshot_interval_s"}),
         "index": cfg.routing.index,
         "adapter_slots": cfg.lora.max_loras,
+        "snapshot_interval_s": cfg.routing.snapshot_interval_s,
     }
+
+
+def _snapshot_path(cfg: ServeConfig, replica: int) -> str | None:
+    """Router replica ``replica``'s index snapshot file (``routing.snapshot_dir``; None: no snapshots)."""
+    if cfg.routing.snapshot_dir is None:
+        return None
+    return str(Path(cfg.routing.snapshot_dir).expanduser() / f"kvgrid-router-{replica}.snap")
 
 
 def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool):
@@ -345,6 +353,9 @@ def _engine_config(cfg: ServeConfig, model_path: str, secret: str, use_gpu: bool
         max_loras=cfg.lora.max_loras,
         max_lora_rank=cfg.lora.max_lora_rank,
         max_cpu_loras=cfg.lora.max_cpu_loras,
+        # Adapters at the start: their decode steps get CUDA graphs (slots allocated before the KV cache is sized;
+        # adapters first added at run time decode eagerly).
+        lora_graphs=any(t.adapters for t in cfg.tenants),
     )
 
 

@@ -61,7 +61,8 @@ routes = Routes()  # the shared endpoints (docs, a tenant's metrics), bound to o
 
 class Gateway:
     """One gateway replica's state and parts (``config`` has no API keys, ``keys`` their hashes). ``routers``: the
-    RouterService replicas' clients; a request stays with the replica that routed it."""
+    RouterService replicas' clients; a request stays with the replica that routed it (the others are told of it
+    unless ``routing.share_routes`` is off)."""
 
     def __init__(
         self, config: ServeConfig, keys: KeyRing, model_path: str, routers: Sequence[RouterClient], redis_url: str
@@ -91,7 +92,7 @@ class Gateway:
         self.admission.budgets = self.budgets
         self.admission.redis = self.redis  # the API keys' own rate limiters
         self.prompts = Prompts(model_path, self.max_model_len, self.contents)
-        self.pool = RouterPool([RouterClient.of(r) for r in routers])
+        self.pool = RouterPool([RouterClient.of(r) for r in routers], config.routing.share_routes)
         self.generation = Generation(self.pool, config.block_size, self.metrics_on)
         # keep_alive: auto tenants' entries (router/gateway/keep_alive.py)
         self.keep_alive = KeepAlive(self.redis, {}, self.accounting.spawn, self.ledger, self.repin)

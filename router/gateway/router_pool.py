@@ -1,7 +1,9 @@
 """The gateway's client of the router replicas (``RouterPool``): each request is routed by one replica, chosen
 round robin with recently failed ones last, and hedged (a replica silent past ``HEDGE_DELAY_S`` is not waited on
-alone: the next is asked too, within a budget). The routing replica hears of the request's first token and end
-in batches (``RouterReports``); a failed group is reported to every replica."""
+alone: the next is asked too, within a budget). With ``routing.share_routes`` (the default) every other replica is
+told of the route (``Router.note_route``) and every replica hears of the request's first token and end, so each
+prices the groups on the whole fleet's load; without it only the routing replica hears of them. Both in batches
+(``RouterReports``). A failed group is reported to every replica."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from collections.abc import Sequence
 from ray.exceptions import RayActorError, RayError
 
 from common.errors import NoGroup, Overloaded, remote_cause
+from common.hashing import token_array
 from router.clients import RouterClient
 from router.gateway.errors import err
-from router.routing.router import RouteDecision
+from router.routing.router import RouteDecision, RouteNote
 
 # A router replica that takes longer is skipped (it routes in about a millisecond; a killed one that Ray is
 # restarting holds calls until it is back, seconds later)...
@@ -38,19 +41,39 @@ REPORT_INTERVAL_S = 0.05
 
 
 class RouterReports:
-    """Request events for the router replicas (``"prefill_done"``, ``"finish"``), in order, one ``report`` call
-    per replica every ``REPORT_INTERVAL_S`` while there are any."""
+    """Request events for the router replicas (``"note"``, ``"prefill_done"``, ``"finish"``), in order, one
+    ``report`` call per replica every ``REPORT_INTERVAL_S`` while there are any. ``shared``: the replicas that share
+    routes (none when the pool does not): each hears of the others' routes and of every request's progress.
 
-    def __init__(self, interval_s: float = REPORT_INTERVAL_S) -> None:
+    A request's note and its progress reach a replica through the same queue, note first, and a call's events are
+    applied in order. Separate calls may not be: Ray runs a caller's calls to an async actor out of order at times
+    (a few percent of calls sent milliseconds apart, measured on Ray 2.60), so the router takes them in any order
+    (``Router.note_route``: a note after the request's end, or before a hedge's loser routes it, counts nothing
+    twice). A hedge's loser gets ``cancel_route`` at once, the winner's note at the next flush."""
+
+    def __init__(self, shared: Sequence[RouterClient] = (), interval_s: float = REPORT_INTERVAL_S) -> None:
+        self.shared = list(shared)
         self.interval_s = interval_s
-        self._pending: dict[int, tuple[RouterClient, list[tuple[str, str]]]] = {}
+        self._pending: dict[int, tuple[RouterClient, list[tuple[str, str | RouteNote]]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, router: RouterClient, kind: str, request_id: str) -> None:
+        """A request's progress, for ``router`` (the replica that routed it), or for every replica when they share
+        routes (each counts it)."""
+        for r in self.shared or (router,):
+            self._queue(r, (kind, request_id))
+
+    def note(self, router: RouterClient, note: RouteNote) -> None:
+        """A route ``router`` made, for every other replica that shares routes."""
+        for r in self.shared:
+            if r is not router:
+                self._queue(r, ("note", note))
+
+    def _queue(self, router: RouterClient, event: tuple[str, str | RouteNote]) -> None:
         entry = self._pending.get(id(router))
         if entry is None:
             entry = self._pending[id(router)] = (router, [])
-        entry[1].append((kind, request_id))
+        entry[1].append(event)
         if self._timer is None:
             try:
                 self._timer = asyncio.get_running_loop().call_later(self.interval_s, self.flush)
@@ -94,12 +117,12 @@ class RouterPool:
     """The router replicas one gateway replica asks (``route``), tells of its requests' progress (``reports``) and
     of failed groups (``report_failure``)."""
 
-    def __init__(self, routers: Sequence[RouterClient]) -> None:
+    def __init__(self, routers: Sequence[RouterClient], share_routes: bool = True) -> None:
         self.routers = list(routers)
         self._next_router = secrets.randbelow(len(self.routers))
         self._router_failed_at = [-math.inf] * len(self.routers)
         self._hedges = HedgeBudget()
-        self.reports = RouterReports()
+        self.reports = RouterReports(self.routers if share_routes else ())
 
     async def forget_tenant(self, tenant: str, timeout_s: float = FORGET_TIMEOUT_S) -> dict[str, list[int]] | None:
         """Have the groups drop a deleted tenant's pins and unused cached blocks, through the first router replica
@@ -132,9 +155,11 @@ class RouterPool:
         not answered within ``HEDGE_DELAY_S`` is not waited on alone, the next one is asked too (once per
         request, within ``HEDGE_BUDGET``), and the first decision wins; every other replica asked cancels the
         route (it may have made it too: its load, predictions and recent prefill are undone), so no replica
-        counts the request but the one that serves it. A dead, restarting or stuck replica is skipped, and so is
-        one that knows no group yet (just restarted: the supervisor hands it the groups within a second). 503
-        when none routes it (a retry a moment later works)."""
+        counts the request twice; with shared routes every replica but the winner is then told of the winner's
+        (``RouterReports.note``). A dead, restarting or stuck replica is skipped, and so is one that knows no
+        group yet (just restarted: the supervisor hands it the groups within a second). 503 when none routes it
+        (a retry a moment later works)."""
+        tokens = token_array(prompt)  # one buffer: pickled and hashed as one, where a list goes id by id
         replicas = len(self.routers)  # (not ``n``: that is the request's choices, which the router counts)
         self._next_router = (self._next_router + 1) % replicas
         self._hedges.earn()
@@ -152,7 +177,7 @@ class RouterPool:
         def ask() -> None:
             nonlocal asked
             timeout_s = ROUTE_TIMEOUT_S if asked < replicas - 1 else LAST_ROUTE_TIMEOUT_S
-            call = self.routers[order[asked]].route(tenant, prompt, attempt, failed, cache_key, n, adapter)
+            call = self.routers[order[asked]].route(tenant, tokens, attempt, failed, cache_key, n, adapter)
             pending[asyncio.ensure_future(_bounded(call, timeout_s))] = asked
             asked += 1
 
@@ -174,7 +199,10 @@ class RouterPool:
                         k = pending.pop(call)
                         if call is not winner:  # it answered: not slow, but it may have routed the request too
                             self.routers[order[k]].cancel_route(attempt)
-                    return self.routers[order[won]], winner.result()
+                    router, decision = self.routers[order[won]], winner.result()
+                    if decision.note is not None:  # the other replicas count it too (sent after the cancels)
+                        self.reports.note(router, decision.note)
+                    return router, decision
                 for call in done:
                     j = order[pending.pop(call)]
                     try:

@@ -2,14 +2,12 @@
 ``match`` walks a prompt's keys in order and returns, for every group, its longest leading run and how much of it
 it would load from host RAM or disk. Two implementations with the same behaviour (``routing: {index: ...}``):
 
-    dict      router/routing/dict_index.py     the default: a dict of bytes keys; about 130-170 bytes per key, the
-                                               fastest on short prompts and small removals
-    compact   router/routing/compact_index.py  an open-addressing table in numpy arrays (router/routing/keytable.py):
-                                               about 15-40 bytes per key and a snapshot that is the arrays, for
-                                               fleets of tens of millions of keys; a few keys (small events, a
-                                               prompt's first blocks) one at a time in Python, more in numpy
-                                               batches: faster than dict on long prompts and large events, a
-                                               little slower on short prompts and small removals
+    compact   router/routing/compact_index.py  the default: an open-addressing table in numpy arrays
+                                               (router/routing/keytable.py, its operations in C where a compiler
+                                               is found: keytable.c): about 15-40 bytes per key, a snapshot that is
+                                               the arrays; faster than dict at every size measured
+    dict      router/routing/dict_index.py     a dict of bytes keys: about 130-170 bytes per key; kept as the
+                                               reference the compact index is tested against
 
 docs/benchmarks.md has both measured side by side."""
 
@@ -25,7 +23,7 @@ PrefixIndex = DictPrefixIndex | CompactPrefixIndex
 INDEX_KINDS = {"dict": DictPrefixIndex, "compact": CompactPrefixIndex}
 
 
-def new_index(kind: str = "dict") -> PrefixIndex:
+def new_index(kind: str = "compact") -> PrefixIndex:
     """An empty index of ``kind`` (``INDEX_KINDS``)."""
     if kind not in INDEX_KINDS:
         raise ValueError(f"unknown prefix index {kind!r}; expected one of: {', '.join(INDEX_KINDS)}")

@@ -24,6 +24,23 @@ from router.routing.transport import Subscription
 # A prompt_cache_key's group whose queued prefill is this far above the least queued group's is overloaded: the
 # request goes where the policy sends it (about a second of prefill on a CPU group).
 CACHE_KEY_OVERLOAD_TOKENS = 16384
+# Request ids that ended lately, kept so that another replica's route told after the request's end is not counted
+# (Ray may run a gateway's calls to a replica out of order): the last this many.
+ENDED_IDS_KEPT = 16384
+
+
+@dataclass
+class RouteNote:
+    """A route as the other router replicas count it (``Router.note_route``): what the routing replica put in its
+    group's queue and predicted there."""
+
+    request_id: str
+    group: str
+    prefill_tokens: int  # what it adds to its group's queue (``_Inflight.prefill_tokens``)
+    keys: list[bytes]  # the prompt's first ``prediction_blocks`` block keys (none when predictions are off)
+    tenant: str = ""
+    adapter: str | None = None
+    choices: int = 1
 
 
 @dataclass
@@ -34,6 +51,7 @@ class RouteDecision:
     leader: Any = None  # the group's rank-0 actor, filled in by the router service
     host_tokens: int = 0  # of cached_tokens, those the group holds in host RAM (not in its GPU pool)
     disk_tokens: int = 0  # ... on disk only
+    note: RouteNote | None = None  # what the other replicas are told of this route (the gateway passes it on)
 
 
 @dataclass
@@ -68,7 +86,7 @@ class Router:
         events: Subscription | None = None,
         clock: Callable[[], float] = time.monotonic,
         cache_key_overload_tokens: int = CACHE_KEY_OVERLOAD_TOKENS,
-        index: str = "dict",
+        index: str = "compact",
     ) -> None:
         self.block_size = block_size
         self.cache_key_overload_tokens = cache_key_overload_tokens
@@ -92,6 +110,8 @@ class Router:
         self._predicted_until: dict[tuple[bytes, int], float] = {}  # (key, bit) -> when it lapses
         self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
+        self._ended: set[str] = set()  # the last ENDED_IDS_KEPT request ids that ended (``on_finish``)...
+        self._ended_order: deque[str] = deque()  # ...oldest first
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)  # ids stay unique across router replicas
         self.paused: set[str] = set()  # known groups that get no new requests (draining, or suspected dead)
@@ -199,10 +219,7 @@ class Router:
         self.poll_events()
         root = self.root_key(tenant, adapter)
         lazy = iter_key_chunks(token_ids, self.block_size, root, self.hash_algo, cache=self._chunk_cache)
-        decision = self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key, adapter)
-        if n > 1:
-            self._inflight[decision.request_id].choices = n
-        return decision
+        return self._route(_Tee(lazy), len(token_ids), request_id, exclude, tenant, cache_key, adapter, n)
 
     def route_keys(self, keys: list[bytes], num_tokens: int, request_id: str | None = None) -> RouteDecision:
         """Route a prompt given its block keys (what ``route`` does after hashing)."""
@@ -217,6 +234,7 @@ class Router:
         tenant: str,
         cache_key: str | None = None,
         adapter: str | None = None,
+        n: int = 1,
     ) -> RouteDecision:
         open_groups = {g: load for g, load in self.loads.items() if g not in self.paused and g not in exclude}
         if not open_groups:
@@ -252,11 +270,30 @@ class Router:
         hit = gpu + host + disk
         rid = request_id if request_id is not None else f"route-{self._id_prefix}-{next(self._ids)}"
         # Its queued work: the tokens no tier holds, plus the time loading the lower-tier ones takes there.
-        f = self._start(rid, group, num_tokens - hit + self.policy.load_tokens(host, disk), tenant)
+        prefill = num_tokens - hit + self.policy.load_tokens(host, disk)
+        f = self._start(rid, group, prefill, tenant, n)
         if adapter is not None:
             self.adapters.used(group, adapter)
-        f.predicted, f.predicted_until = self._predict(keys.take(self.prediction_blocks), group)
-        return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk)
+        leading = keys.take(self.prediction_blocks) if self.prediction_ttl_s > 0 else []
+        f.predicted, f.predicted_until = self._predict(leading, group)
+        note = RouteNote(rid, group, prefill, leading, tenant, adapter, n)
+        return RouteDecision(rid, group, hit, host_tokens=host, disk_tokens=disk, note=note)
+
+    def note_route(self, note: RouteNote) -> None:
+        """Count a route another replica made as if it were made here (router replicas share their routes so
+        that each prices the groups on the whole fleet's load): its prefill queued on its group, so that
+        ``on_prefill_done``, ``on_finish`` and ``cancel_route`` apply to it; its leading blocks predicted there;
+        its adapter used there. Ignored: a group this replica does not know, a request it counts already or that
+        ended lately (its end came first: calls may run out of order). A paused group's is counted: its in-flight
+        requests still load it."""
+        rid = note.request_id
+        if rid in self._inflight or rid in self._ended or note.group not in self.loads:
+            return
+        self._decay_recent()  # (the recent prefill it adds counts from now)
+        f = self._start(rid, note.group, note.prefill_tokens, note.tenant, note.choices)
+        if note.adapter is not None:
+            self.adapters.used(note.group, note.adapter)
+        f.predicted, f.predicted_until = self._predict(note.keys, note.group)
 
     def key_group(self, tenant: str, cache_key: str, groups: dict[str, GroupLoad]) -> str | None:
         """The group of ``groups`` that a tenant's ``cache_key`` maps to, or None when that group is overloaded
@@ -286,8 +323,10 @@ class Router:
             return total
         return int(total * self.tenant_shares.get(tenant, 1.0) / sum(self.tenant_shares.values()))
 
-    def _start(self, rid: str, group: str, prefill_tokens: int, tenant: str = "") -> _Inflight:
-        f = self._inflight[rid] = _Inflight(group, prefill_tokens, tenant, routed_at=self.clock())
+    def _start(self, rid: str, group: str, prefill_tokens: int, tenant: str = "", choices: int = 1) -> _Inflight:
+        if rid in self._inflight:  # a hedge's loser routing it after the winner's note: never counted twice
+            self.cancel_route(rid)
+        f = self._inflight[rid] = _Inflight(group, prefill_tokens, tenant, routed_at=self.clock(), choices=choices)
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + prefill_tokens
         self.loads[group].queued_prefill_tokens += prefill_tokens
         self.loads[group].recent_prefill_tokens += prefill_tokens
@@ -315,6 +354,10 @@ class Router:
     def on_finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed)."""
         self._finish(request_id)
+        self._ended.add(request_id)
+        self._ended_order.append(request_id)
+        if len(self._ended_order) > ENDED_IDS_KEPT:
+            self._ended.discard(self._ended_order.popleft())
 
     def cancel_route(self, request_id: str) -> None:
         """Undo the route of a request that will not run on it (another replica's route won): it leaves the

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from router.routing.adapters import ADAPTER_SLOTS
+from router.routing.compact_index import CompactPrefixIndex
 from router.routing.policy import make_policy
-from router.routing.router import RouteDecision, Router
+from router.routing.router import RouteDecision, RouteNote, Router
+from router.routing.snapshot import IndexSnapshots, fingerprint
 
 if TYPE_CHECKING:
     from common.protocol import RankHandle, SupervisorHandle
@@ -48,9 +51,15 @@ class RouterService:
         tenant_shares: dict[str, float] | None = None,
         supervisor: str | None = None,
         policy_args: dict[str, float] | None = None,
-        index: str = "dict",
+        index: str = "compact",
         adapter_slots: int = ADAPTER_SLOTS,
+        snapshot_path: str | None = None,
+        snapshot_interval_s: float = 300.0,
+        restore_snapshot: bool | None = None,
     ) -> None:
+        """``snapshot_path``: where this replica writes its index every ``snapshot_interval_s`` (compact index and
+        ``redis_url`` only; router/routing/snapshot.py), and, when Ray restarted it (``restore_snapshot`` None)
+        or ``restore_snapshot`` is True, reads it back at the start."""
         if supervisor is not None:  # a replica of `kvgrid serve`: its warnings go to the console (common/log_relay.py)
             from common.log_relay import relay_logging
 
@@ -77,8 +86,43 @@ class RouterService:
             self.stream = RedisStreamSubscription(client, list(leaders))
         self.poll_interval_s = poll_interval_s
         self._poller: asyncio.Task | None = None
-        if supervisor is not None and restarted():
+        self.snapshots: IndexSnapshots | None = None
+        self.restored: dict | None = None  # what a snapshot brought back at the start (``info``)
+        if snapshot_path is not None:
+            if index != "compact" or self.stream is None:
+                raise ValueError("router index snapshots need the compact index and the groups' Redis streams")
+            self.snapshots = IndexSnapshots(
+                snapshot_path, snapshot_interval_s, fingerprint(secret, block_size, hash_algo)
+            )
+        was_restarted = supervisor is not None and restarted()
+        if self.snapshots is not None and (was_restarted if restore_snapshot is None else restore_snapshot):
+            self._restore()
+        if was_restarted:
+            assert supervisor is not None
             self._recover_groups(supervisor)
+            if self.restored is not None:  # groups of the snapshot that no longer serve: forgotten
+                for group in set(self.restored["groups"]) - set(self.leaders):
+                    self.remove_group(group)
+
+    def _restore(self) -> None:
+        """Load the last snapshot: the index, and the stream cursors it matches (a group added later reads its
+        stream on from there; ``_add``)."""
+        t = time.monotonic()
+        if self.snapshots is None or self.stream is None:
+            return
+        got = self.snapshots.load()
+        if got is None:
+            return
+        index, extra = got
+        self.router.index = index
+        for stream, cursor in extra["cursors"].items():
+            self.stream.cursor[stream] = cursor
+        for group, n in extra["next_n"].items():
+            self.stream.next_n[group] = n
+        groups = sorted(index.key_counts())
+        self.restored = {"keys": len(index), "groups": groups, "load_s": time.monotonic() - t}
+        _log.warning("router replica restored %d index keys from %s in %.1f s", len(index), self.snapshots.path,
+                     self.restored["load_s"])  # fmt: skip
 
     def _recover_groups(self, supervisor: str) -> None:
         """After Ray restarted this replica: ask the supervisor (the actor named ``supervisor``) for the serving
@@ -109,6 +153,8 @@ class RouterService:
                 if self.stream is not None:
                     n = await self._poll_stream(STREAM_WAIT_MS)
                     delay = self.poll_interval_s if n else 0.0  # (an empty read has waited already)
+                    if self.snapshots is not None and self.snapshots.due():
+                        self.snapshot()
                 else:
                     await self.poll()
                     delay = self.poll_interval_s
@@ -222,8 +268,22 @@ class RouterService:
         return self.router.index.key_counts()
 
     def info(self) -> dict:
-        """This replica's process id (it changes when Ray restarts the replica) and its groups."""
-        return {"pid": os.getpid(), "groups": sorted(self.leaders)}
+        """This replica's process id (it changes when Ray restarts the replica), its groups, what a snapshot
+        restored at its start and its last snapshot written (None: none)."""
+        last = self.snapshots.last if self.snapshots is not None else None
+        return {"pid": os.getpid(), "groups": sorted(self.leaders), "restored": self.restored, "last_snapshot": last}
+
+    def snapshot(self) -> asyncio.Task:
+        """Write the index and its stream cursors to the snapshot file now (a task that ends once it is there)."""
+        assert (
+            self.snapshots is not None and self.stream is not None and isinstance(self.router.index, CompactPrefixIndex)
+        )
+        return self.snapshots.start(self.router.index, self.stream.cursor, self.stream.next_n)
+
+    async def snapshot_now(self) -> dict | None:
+        """``snapshot``, waited for: what ``info`` then says of it."""
+        await self.snapshot()
+        return self.snapshots.last if self.snapshots is not None else None
 
     def leaders_now(self) -> dict:
         return dict(self.leaders)
@@ -231,15 +291,21 @@ class RouterService:
     def on_prefill_done(self, request_id: str) -> None:
         self.router.on_prefill_done(request_id)
 
-    def report(self, events: Sequence[tuple[str, str]]) -> None:
-        """A gateway's request events since its last report, in the order they happened: ``("prefill_done",
-        request_id)`` (``on_prefill_done``) and ``("finish", request_id)`` (``on_finish``); other kinds are
-        ignored."""
-        for kind, request_id in events:
-            if kind == "prefill_done":
-                self.on_prefill_done(request_id)
+    def report(self, events: Sequence[tuple[str, str | RouteNote]]) -> None:
+        """A gateway's request events since its last report, in the order they happened: ``("note", RouteNote)``
+        (``note_route``: another replica's route), ``("prefill_done", request_id)`` (``on_prefill_done``) and
+        ``("finish", request_id)`` (``on_finish``); other kinds are ignored."""
+        for kind, payload in events:
+            if isinstance(payload, RouteNote):
+                self.note_route(payload)
+            elif kind == "prefill_done":
+                self.on_prefill_done(payload)
             elif kind == "finish":
-                self.on_finish(request_id)
+                self.on_finish(payload)
+
+    def note_route(self, note: RouteNote) -> None:
+        """Count a route another replica made (``Router.note_route``): its load, predictions and adapter."""
+        self.router.note_route(note)
 
     def on_finish(self, request_id: str) -> None:
         self.router.on_finish(request_id)

@@ -36,7 +36,7 @@ def route_latency(
     groups: int = 8,
     block_size: int = 16,
     calls: int = 300,
-    index: str = "dict",
+    index: str = "compact",
 ) -> dict:
     names = [f"g{i}" for i in range(groups)]
     rss0 = _rss()

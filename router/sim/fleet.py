@@ -7,18 +7,20 @@ a real Redis. ``replicas`` router replicas, each a real ``RouterService`` with i
 background poller (the live replicas' consumer: a Redis read that waits up to ``STREAM_WAIT_MS`` for a first new
 event, then ``poll_interval_s`` before the next read), follow the streams. Requests come from a trace (``--trace``,
 Mooncake format) or a generated one (``router.sim.trace.synthetic_conversations`` at ``GENERATED_RATE_PER_GROUP``
-requests/s per group) and go to the replicas in turn, as gateways spread them; the routing replica hears of the
-request's prefill and finish. The simulated clock runs ``rate_scale`` times as fast as the wall clock: the event
-lags are real (wall) time, everything else is simulated.
+requests/s per group) and go to the replicas in turn, as gateways spread them. As a gateway does, each replica
+hears of the requests in one ``RouterService.report`` per ``report_interval_s`` of wall time: with ``share_routes``
+(the default) every other replica is told of each route (``Router.note_route``) and every replica of each
+request's prefill and finish; without it only the routing replica hears of them. The simulated clock runs
+``rate_scale`` times as fast as the wall clock: the event lags are real (wall) time, everything else is simulated.
 
 Figures: routes/s per replica (``route_keys`` calls per second of the routing thread's CPU time,
-``time.thread_time``; the keys are given, so no hashing); event lag p50/p99 (from a group publishing a
-``BlockStored`` to a replica having applied it, over every replica and event); index memory (the index's own
-``nbytes`` where it has one, else what tracemalloc sees a fresh index of the final keys allocate, the keys decoded
-apart as a replica's are); catch-up (half-way through, one replica is replaced by a new one with an empty index
-that reads every stream from its start while routing goes on: the time until it has applied everything published
-before it started); the hit ratio (as ``kvgrid replay`` counts it) against the pooled-LRU and infinite-cache
-bounds and against ``replay`` of the same trace with one index.
+``time.thread_time``; the keys are given, so no hashing) and the CPU time of a note of another replica's route;
+event lag p50/p99 (from a group publishing a ``BlockStored`` to a replica having applied it, over every replica and
+event); index memory (the index's own ``nbytes`` where it has one, else what tracemalloc sees a fresh index of the
+final keys allocate, the keys decoded apart as a replica's are); catch-up (half-way through, one replica is
+replaced by a new one with an empty index that reads every stream from its start while routing goes on: the time
+until it has applied everything published before it started); the hit ratio (as ``kvgrid replay`` counts it)
+against the pooled-LRU and infinite-cache bounds and against ``replay`` of the same trace with one index.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common.event_stream import RedisStreamSink, stream_client
 from common.events import BlockRemoved, BlockStored, KVEvent
+from router.gateway.router_pool import REPORT_INTERVAL_S
 from router.routing.policy import make_policy
-from router.routing.router import Router
+from router.routing.router import RouteNote, Router
 from router.routing.service import STREAM_WAIT_MS, RouterService
 from router.routing.transport import InProcessTransport
 from router.sim.replay import (
@@ -54,7 +57,7 @@ from router.sim.trace import MOONCAKE_BLOCK, synthetic_conversations
 GENERATED_RATE_PER_GROUP = 2.0  # requests/s of simulated time per group, in the generated trace
 SYNC_TIMEOUT_S = 30.0  # at the end, how long the replicas may take to apply the last events
 AUTO_WALL_RATE = 100.0  # requests per wall second that rate_scale 0 (auto) aims at
-_ARRIVE, _PREFILL_DONE, _FINISH = range(3)
+_ARRIVE, _PREFILL_DONE, _FINISH, _REPORT = range(4)
 
 
 def generated_trace(requests: int, groups: int, seed: int = 0) -> list[TraceRequest]:
@@ -87,12 +90,19 @@ class ReplicaRouter(Router):
         self.stamps = stamps
         self.applied = dict.fromkeys(groups, 0)
         self.lags: list[float] = []
-        self.apply_cpu_s = 0.0
+        self.apply_cpu_s = self.note_cpu_s = 0.0
+        self.notes = 0  # other replicas' routes it was told of
         self.events_applied = self.keys_applied = self.keys_removed = 0
         self.skip: dict[str, int] = {}
         self.behind = 0  # groups whose history (up to ``skip``) is not applied yet
         self.started_at = time.perf_counter()
         self.current_at: float | None = None  # when the last of those was
+
+    def note_route(self, note: RouteNote) -> None:
+        c0 = time.thread_time()
+        super().note_route(note)
+        self.note_cpu_s += time.thread_time() - c0
+        self.notes += 1
 
     def apply_event(self, group: str, event: KVEvent) -> None:
         c0 = time.thread_time()
@@ -141,12 +151,16 @@ class Fleet:
         decode_s_per_token: float = 0.02,
         seed: int = 0,
         restart_at: float | None = 0.5,
-        index: str = "dict",
+        index: str = "compact",
+        share_routes: bool = True,
+        report_interval_s: float = REPORT_INTERVAL_S,
     ) -> None:
         if min(groups, nodes, replicas) < 1 or rate_scale <= 0 or capacity_tokens < block_size:
             raise ValueError("need groups, nodes, replicas >= 1, rate_scale > 0 and capacity_tokens >= block_size")
         self.trace, self.redis_url, self.rate_scale = trace, redis_url, rate_scale
         self.block_size, self.policy, self.seed, self.index = block_size, policy, seed, index
+        self.share_routes = share_routes
+        self.report_interval_s = report_interval_s  # wall seconds (0: each report at once)
         self.capacity_tokens = capacity_tokens
         self.prefill_tokens_per_s, self.decode_s_per_token = prefill_tokens_per_s, decode_s_per_token
         self.names = [f"g{i}" for i in range(groups)]
@@ -173,6 +187,7 @@ class Fleet:
         self._heap: list = []
         self._order = itertools.count()
         self._slot: dict[str, int] = {}  # request id -> the replica slot that routed it
+        self._reports: dict[int, list[tuple[str, str | RouteNote]]] = {}  # replica slot -> its next report
 
     def _replica(self) -> RouterService:
         leaders = {g: g for g in self.names}  # (a live replica's are the groups' actor handles)
@@ -227,10 +242,12 @@ class Fleet:
                 on_arrival()
             elif kind == _PREFILL_DONE:
                 self._prefill_done(*payload)
-            else:
+            elif kind == _FINISH:
                 g, run = payload
                 g.finish(run)
-                self._router_of(run.rid, done=True).on_finish(run.rid)
+                self._report(self._slots_of(run.rid, done=True), ("finish", run.rid))
+            else:
+                self._send_reports()
         self.duration_s = time.perf_counter() - t0
         self.process_cpu_s = time.process_time() - cpu0  # every thread of this process: the whole simulation
         await self._sync()
@@ -259,9 +276,25 @@ class Fleet:
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._heap, (t, next(self._order), kind, payload))
 
-    def _router_of(self, rid: str, done: bool = False) -> Router:
-        """The router of the replica slot that routed ``rid`` (a restarted replica does not know it: ignored)."""
-        return self.replicas[self._slot.pop(rid) if done else self._slot[rid]].router
+    def _slots_of(self, rid: str, done: bool = False) -> list[int]:
+        """The replica slots that count ``rid``: all when routes are shared, else the one that routed it (a
+        replica restarted since does not know it: ignores it)."""
+        k = self._slot.pop(rid) if done else self._slot[rid]
+        return list(range(len(self.replicas))) if self.share_routes else [k]
+
+    def _report(self, slots: Sequence[int], event: tuple[str, str | RouteNote]) -> None:
+        """Queue ``event`` for the replicas in ``slots``; the queue goes out ``report_interval_s`` (wall) after
+        its first event, as a gateway's ``RouterReports`` sends it."""
+        if slots and not self._reports:
+            self._push(self.now + self.report_interval_s * self.rate_scale, _REPORT, None)
+        for k in slots:
+            self._reports.setdefault(k, []).append(event)
+
+    def _send_reports(self) -> None:
+        """Each replica's queued events, in one ``RouterService.report`` call."""
+        reports, self._reports = self._reports, {}
+        for k, events in reports.items():
+            self.replicas[k].report(events)
 
     def _arrive(self, i: int, r: TraceRequest) -> None:
         if i == self.restart_at:
@@ -273,13 +306,15 @@ class Fleet:
         self.route_cpu_s[k] += time.thread_time() - c0
         self.routes[k] += 1
         self._slot[d.request_id] = k
+        if self.share_routes and d.note is not None:
+            self._report([j for j in range(len(self.replicas)) if j != k], ("note", d.note))
         g = self.groups[d.group]
         g.queue.append(_Running(r, d.request_id))
         self._start_next(g)
 
     def _prefill_done(self, g: SimGroup, run: _Running) -> None:
         g.end_prefill(run)
-        self._router_of(run.rid).on_prefill_done(run.rid)
+        self._report(self._slots_of(run.rid), ("prefill_done", run.rid))
         g.busy = False
         self._push(self.now + run.req.output_length * self.decode_s_per_token, _FINISH, (g, run))
         self._start_next(g)
@@ -330,6 +365,8 @@ class Fleet:
                     "routes": self.routes[k],
                     "routes_per_cpu_s": self.routes[k] / self.route_cpu_s[k] if self.route_cpu_s[k] else None,
                     "route_cpu_us_mean": 1e6 * self.route_cpu_s[k] / self.routes[k] if self.routes[k] else None,
+                    "notes": r.notes,
+                    "note_cpu_us_mean": 1e6 * r.note_cpu_s / r.notes if r.notes else None,
                     "events_applied": r.events_applied,
                     "keys_applied": r.keys_applied,
                     "apply_cpu_us_per_event": 1e6 * r.apply_cpu_s / r.events_applied if r.events_applied else None,
@@ -347,6 +384,8 @@ class Fleet:
             "groups": len(self.names),
             "nodes": self.nodes,
             "replicas": len(self.replicas),
+            "share_routes": self.share_routes,
+            "report_interval_ms": 1e3 * self.report_interval_s,
             "requests": len(self.trace),
             "rate_scale": self.rate_scale,
             "wall_s": self.duration_s,
@@ -476,7 +515,8 @@ def fleet(
     capacity_tokens: int = 131072,
     seed: int = 0,
     progress: bool = True,
-    index: str = "dict",
+    index: str = "compact",
+    share_routes: bool = True,
 ) -> dict:
     """``kvgrid bench fleet``: a fleet run on an embedded Redis, and the same trace through ``replay`` with one
     index. ``rate_scale`` 0: as fast as makes the requests arrive at ``AUTO_WALL_RATE`` per wall second."""
@@ -486,7 +526,18 @@ def fleet(
         rate_scale = AUTO_WALL_RATE * span / len(trace) if span > 0 else 1.0
     url, stop = start_redis()
     try:
-        run = Fleet(trace, url, groups, nodes, replicas, capacity_tokens, rate_scale=rate_scale, seed=seed, index=index)
+        run = Fleet(
+            trace,
+            url,
+            groups,
+            nodes,
+            replicas,
+            capacity_tokens,
+            rate_scale=rate_scale,
+            seed=seed,
+            index=index,
+            share_routes=share_routes,
+        )
         bar = _progress(len(trace), progress, "fleet")
         result = run.run(lambda: bar.update(1))
         bar.close()
@@ -502,7 +553,8 @@ def format_fleet(r: dict) -> str:
     """The figures of a fleet run, for people."""
     idx, cu = r["index"], r["catch_up"]
     lines = [
-        f"fleet: {r['groups']} groups on {r['nodes']} nodes, {r['replicas']} router replicas, {r['requests']} "
+        f"fleet: {r['groups']} groups on {r['nodes']} nodes, {r['replicas']} router replicas "
+        f"({'sharing' if r['share_routes'] else 'not sharing'} routes), {r['requests']} "
         f"requests in {r['wall_s']:.1f} s ({r['offered_routes_per_s']:.0f}/s offered; simulated clock x"
         f"{r['rate_scale']:.3g}; arrivals late p99 {r['schedule_late_p99_ms']:.1f} ms; "
         f"{r['process_cpu_s']:.1f} s of CPU)",
@@ -510,7 +562,8 @@ def format_fleet(r: dict) -> str:
     for k, p in enumerate(r["per_replica"]):
         lines.append(
             f"  replica {k}: {p['routes']} routes, {p['routes_per_cpu_s']:.0f} routes per CPU-second "
-            f"({p['route_cpu_us_mean']:.0f} us each); {p['events_applied']} events applied "
+            f"({p['route_cpu_us_mean']:.0f} us each); {p['notes']} notes of others' routes "
+            f"({p['note_cpu_us_mean'] or 0:.0f} us each); {p['events_applied']} events applied "
             f"({p['apply_cpu_us_per_event']:.1f} us CPU each, {p['apply_cpu_us_per_key']:.2f} us per key); "
             f"lag p50 {p['lag_p50_ms']:.1f} ms p99 {p['lag_p99_ms']:.1f} ms"
         )

@@ -283,7 +283,7 @@ def replay(
     disk_capacity_tokens: int = 0,
     host_load_tokens_per_s: float = DEFAULT_HOST_LOAD_TOKENS_PER_S,
     disk_load_tokens_per_s: float = DEFAULT_DISK_LOAD_TOKENS_PER_S,
-    index: str = "dict",
+    index: str = "compact",
 ) -> dict:
     """Run ``trace`` through the router (its prefix index of kind ``index``) and ``groups`` simulated groups (each
     with ``capacity_tokens`` in its GPU pool, and the given host-RAM and disk tiers under it); returns the figures
@@ -368,7 +368,7 @@ class _Simulation:
         decode_s_per_token: float,
         seed: int,
         tiers: _Tiers | None = None,
-        index: str = "dict",
+        index: str = "compact",
     ) -> None:
         transport = InProcessTransport()
         names = [f"g{i}" for i in range(groups)]

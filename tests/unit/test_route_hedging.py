@@ -16,6 +16,7 @@ from common.errors import NoGroup, Overloaded
 from router.clients import RouterClient
 from router.gateway.errors import ApiError
 from router.gateway.router_pool import HEDGE_DELAY_S, ROUTE_TIMEOUT_S, HedgeBudget, RouterPool
+from router.routing.router import RouteDecision, RouteNote
 
 ATTEMPT = "acme-0123-0"
 
@@ -23,7 +24,8 @@ ATTEMPT = "acme-0123-0"
 class Replica:
     """What ``route`` uses of a router replica's actor handle: ``route.remote`` decides after ``delay_s``
     (never when None; when ``gate`` is set, once it is set) or fails with ``error``; the request ids of
-    ``cancel_route.remote`` (``forgot``) and ``on_finish.remote`` (``finished``) are recorded."""
+    ``cancel_route.remote`` (``forgot``) and ``on_finish.remote`` (``finished``), and the event lists of
+    ``report.remote`` (``reported``), are recorded."""
 
     def __init__(
         self, name: str, delay_s: float | None = 0.0, error: Exception | None = None, gate: asyncio.Event | None = None
@@ -37,6 +39,8 @@ class Replica:
         self.route = SimpleNamespace(remote=self._route)
         self.cancel_route = SimpleNamespace(remote=self.forgot.append)
         self.on_finish = SimpleNamespace(remote=self.finished.append)
+        self.reported: list[list[tuple]] = []
+        self.report = SimpleNamespace(remote=self.reported.append)
 
     async def _route(
         self,
@@ -59,7 +63,8 @@ class Replica:
             await asyncio.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
-        return SimpleNamespace(group=f"group-of-{self.name}")
+        group = f"group-of-{self.name}"
+        return RouteDecision(attempt, group, 0, note=RouteNote(attempt, group, len(prompt), [], tenant, adapter, n))
 
 
 def RouterError(cause: Exception) -> RayError:  # noqa: N802 (stands for the class the gateway sees)
@@ -273,5 +278,98 @@ def test_each_replica_asked_gets_the_requests_own_n_whatever_the_number_of_repli
         # the request's n, never the replica count (it once was: a request counted as 3 running)
         seen = slow.choices + fast.choices + third.choices
         assert set(seen) == {1, 4}
+
+    asyncio.run(scenario())
+
+
+def test_shared_routes_tell_the_other_replicas_after_a_losers_cancel_and_every_replica_hears_the_progress():
+    slow, fast, idle = Replica("slow", delay_s=None), Replica("fast"), Replica("idle")
+    gw = gateway(slow, fast, idle)
+
+    async def scenario():
+        router, decision, _ = await route(gw)
+        assert router.handle is fast and slow.forgot == [ATTEMPT]
+        assert slow.reported == idle.reported == []  # the note waits for the next flush: after the cancel
+        gw.reports.add(router, "prefill_done", ATTEMPT)
+        gw.reports.add(router, "finish", ATTEMPT)
+        await asyncio.sleep(2 * HEDGE_DELAY_S)  # (the report interval)
+        progress = [("prefill_done", ATTEMPT), ("finish", ATTEMPT)]
+        for other in (slow, idle):  # one call each, the note first; the replica never asked is told too
+            assert other.reported == [[("note", decision.note), *progress]]
+        assert fast.reported == [progress]  # the winner counts its own route already
+
+    asyncio.run(scenario())
+
+
+def test_without_shared_routes_only_the_routing_replica_hears_of_the_request():
+    slow, fast = Replica("slow", delay_s=None), Replica("fast")
+    gw = RouterPool([RouterClient(r) for r in (slow, fast)], share_routes=False)
+    gw._next_router = 1
+
+    async def scenario():
+        router, _, _ = await route(gw)
+        gw.reports.add(router, "finish", ATTEMPT)
+        gw.reports.flush()
+        assert fast.reported == [[("finish", ATTEMPT)]] and slow.reported == [] and slow.forgot == [ATTEMPT]
+
+    asyncio.run(scenario())
+
+
+class ServiceHandle:
+    """A real ``RouterService`` behind the ``.remote`` methods the pool calls; its routes wait for ``gate``."""
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        from router.routing.service import RouterService
+
+        async def no_events(offset: int) -> tuple[list, int]:
+            return [], offset
+
+        leader = SimpleNamespace(read_events=SimpleNamespace(remote=no_events))
+        self.service = svc = RouterService({"g0": leader, "g1": leader, "g2": leader}, b"pool-test-secret")
+
+        self.routed: list[str] = []  # the request ids it routed
+
+        async def route(*args):
+            await gate.wait()
+            decision = await svc.route(*args)
+            self.routed.append(decision.request_id)
+            return decision
+
+        self.route = SimpleNamespace(remote=route)
+        self.cancel_route = SimpleNamespace(remote=svc.cancel_route)
+        self.report = SimpleNamespace(remote=svc.report)
+
+
+def test_real_replicas_sharing_routes_count_the_same_load_through_hedges_and_return_to_zero():
+    async def scenario():
+        gate = asyncio.Event()
+        a, b = ServiceHandle(gate), ServiceHandle(gate)
+        gw = gateway(a, b)
+        routed = []
+        for i in range(6):
+            prompt = list(range(100 * i, 100 * i + 48 + 16 * i))
+            call = asyncio.ensure_future(gw.route("acme", prompt, f"r{i}", [], "openai"))
+            if i == 0:  # both asked (a hedge), both route it: the first asked wins, the other cancels its own
+                await asyncio.sleep(HEDGE_DELAY_S + 0.05)
+            gate.set()
+            routed.append(await call)
+            gate.clear()
+        gw.reports.flush()
+        assert a.routed[0] == b.routed[0] == "r0" and routed[0][0].handle is a  # b routed r0 too, and lost
+        ra, rb = a.service.router, b.service.router
+
+        def loads(r) -> dict[str, tuple[int, int, float]]:  # (recent prefill decays on the wall clock: rounded)
+            return {g: (x.queued_prefill_tokens, x.running, round(x.recent_prefill_tokens)) for g, x in r.loads.items()}
+
+        assert loads(ra) == loads(rb) and ra.queued_by_tenant == rb.queued_by_tenant == {"acme": 48 * 6 + 16 * 15}
+        for router, decision in routed:
+            gw.reports.add(router, "prefill_done", decision.request_id)
+        gw.reports.flush()
+        assert loads(ra) == loads(rb) and sum(load.running for load in ra.loads.values()) == 6
+        for router, decision in routed:
+            gw.reports.add(router, "finish", decision.request_id)
+        gw.reports.flush()
+        for r in (ra, rb):
+            assert all(load.queued_prefill_tokens == load.running == 0 for load in r.loads.values())
 
     asyncio.run(scenario())

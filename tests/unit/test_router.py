@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -337,3 +338,79 @@ def test_a_reported_failure_pauses_the_group_and_logs_a_warning(caplog):
     assert svc.router.paused == {"g0"}
     assert [r.getMessage() for r in caplog.records] == ["group g0 paused after a failure (step timed out)"]
     assert caplog.records[0].levelname == "WARNING"
+
+
+def _replicas(groups=("g0", "g1", "g2")) -> tuple[Router, Router, list[float]]:
+    """Two replicas of the same groups on one clock."""
+    now = [0.0]
+    a, b = (Router(list(groups), SECRET, prediction_ttl_s=10.0, clock=lambda: now[0]) for _ in range(2))
+    return a, b, now
+
+
+def test_a_replica_told_of_anothers_routes_counts_them_as_its_own_and_they_end_on_both():
+    a, b, now = _replicas()
+    prompts = [[p * 1000 + i for i in range(16 * (p + 2))] for p in range(5)]
+    decisions = []
+    for p, tokens in enumerate(prompts):
+        now[0] = float(p)
+        d = a.route("acme", tokens, f"r{p}", n=3 if p == 1 else 1, adapter="ad-1" if p == 2 else None)
+        b.note_route(d.note)
+        decisions.append(d)
+    assert b.loads == a.loads and b.queued_by_tenant == a.queued_by_tenant == {"acme": sum(map(len, prompts))}
+    ad_group = decisions[2].group
+    assert b.adapters.holds(ad_group, "ad-1") and a.adapters.holds(ad_group, "ad-1")
+    # Before any event: B sends a repeat of A's prompt where A sent it, its blocks counted as held (predicted).
+    repeat = b.route("acme", prompts[4], "again")
+    assert repeat.group == decisions[4].group and repeat.cached_tokens == len(prompts[4])
+    b.cancel_route("again")
+    assert b.loads == a.loads
+    for r in (a, b):
+        for d in decisions:
+            r.on_prefill_done(d.request_id)
+    assert b.loads == a.loads and a.loads[decisions[1].group].running >= 3  # n=3 counts as 3 decoding
+    for r in (a, b):
+        for d in decisions:
+            r.on_finish(d.request_id)
+        assert all(load.queued_prefill_tokens == load.running == 0 for load in r.loads.values())
+        assert r.queued_by_tenant == {}
+
+
+def test_a_hedge_loser_told_of_the_winners_route_after_cancelling_its_own_counts_it_once():
+    a, b, _ = _replicas()
+    tokens = list(range(64))
+    won = a.route("acme", tokens, "r")
+    b.loads[won.group].queued_prefill_tokens = 5000  # B counts other load there: its own route goes elsewhere
+    lost = b.route("acme", tokens, "r")
+    assert lost.group != won.group
+    b.cancel_route("r")
+    b.note_route(won.note)
+    b.note_route(won.note)  # told twice: counted once
+    assert b.loads[won.group].queued_prefill_tokens == 5000 + len(tokens)
+    assert b.loads[lost.group].queued_prefill_tokens == 0 and b.queued_by_tenant == {"acme": len(tokens)}
+    assert b.match(b.keys_for("acme", tokens)) == {won.group: 4}  # the winner's prediction, not its own
+    b.on_finish("r")
+    assert b.loads[won.group].queued_prefill_tokens == 5000 and b.queued_by_tenant == {}
+
+
+def test_notes_of_an_unknown_group_or_out_of_order_leave_no_load_behind():
+    """Ray may run a gateway's calls to a replica out of order: whatever the order, nothing stays counted."""
+    a, b, _ = _replicas()
+    tokens = list(range(32))
+    d = a.route("acme", tokens, "r")
+    b.remove_group(d.group)
+    b.note_route(d.note)  # a group B does not know (removed, or not handed to it yet): ignored
+    assert "r" not in b._inflight
+    b.add_group(d.group)
+    b.on_finish("r")  # the request's end before its note...
+    b.note_route(d.note)  # ...which then counts nothing
+    for rid in ("r2", "r3"):
+        b.route("acme", tokens, rid)  # a hedge's loser routes it...
+        b.note_route(dataclasses.replace(d.note, request_id=rid))  # ...told of the winner's before its cancel...
+        b.cancel_route(rid)  # ...which drops them both: counted nowhere here until it ends
+        b.on_finish(rid)
+    b.note_route(dataclasses.replace(d.note, request_id="r4"))  # the winner's note before the loser's own route:
+    b.route("acme", tokens, "r4")  # that replaces it (priced with the note's predictions): counted once...
+    assert list(b._inflight) == ["r4"] and b.queued_by_tenant.get("acme", 0) <= len(tokens)
+    b.cancel_route("r4")  # ...and its cancel leaves nothing
+    assert all(load.queued_prefill_tokens == load.running == 0 for load in b.loads.values())
+    assert b.queued_by_tenant == {} and b._inflight == {}
