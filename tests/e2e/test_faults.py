@@ -155,6 +155,7 @@ def rig(tmp_path_factory):
     config.write_text(f"""http: {{host: 127.0.0.1, port: {port}, replicas: 2}}
 {TEST_DEFAULTS}kv_cache_bytes: 33554432
 router_replicas: 2
+routing: {{snapshot_dir: {folder / "router-snapshots"}, snapshot_interval_s: 2}}
 admin_keys: [{ADMIN_KEY}]
 {TWO_TENANTS}""")
     server = Server(config, redis_proc.url, port, [(t, key) for t, (_, key) in TENANTS.items()])
@@ -379,6 +380,12 @@ def test_a_killed_router_replica_loses_nothing_and_restarts(rig):
         return victim not in now and len(now) == 2 and _serving(rig.admin_groups())
 
     _run_fault(rig, "router", lambda: _kill({victim}), back)
+    # The restarted replica loaded its index snapshot (routing.snapshot_dir, one every 2 s) and read on from there.
+    routers = httpx.get(
+        f"{rig.server.base}/admin/v1/groups", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+    ).json()["routers"]
+    restored = [r["restored"] for r in routers if r and r["restored"]]
+    assert len(restored) == 1 and restored[0]["keys"] > 0 and sorted(restored[0]["groups"]) == ["g0", "g1"], routers
 
 
 def test_a_killed_supervisor_loses_nothing_and_restarts(rig):
