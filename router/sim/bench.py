@@ -62,10 +62,9 @@ def route_latency(
         "rss_bytes_per_key": (_rss() - rss0) / max(1, len(table)),
         "fill_keys_per_s": index_keys / fill_s if fill_s else 0.0,
     }
-    if isinstance(table, CompactPrefixIndex):  # its arrays' own size, and its snapshot
+    if isinstance(table, CompactPrefixIndex):  # its arrays' own size
         results["index_bytes"] = table.nbytes()
         results["index_bytes_per_key"] = table.nbytes() / max(1, len(table))
-        results.update(_snapshot(table))
     results.update(_event_rates(router, rng, names))
     # Prompts as the gateways send them to a replica: one array('I') (hashing reads it as one buffer). The cold ones
     # are made before the timed calls: making 32k Python ints between two calls tripled a call's time (the
@@ -91,6 +90,8 @@ def route_latency(
             "cpu_p50_ms": cpu[len(cpu) // 2] * 1e3,
             "cpu_p99_ms": cpu[int(0.99 * len(cpu))] * 1e3,
         }
+    if isinstance(table, CompactPrefixIndex):  # last: a fresh copy's 704 MiB (at 25M keys) disturbed what came after
+        results.update(_snapshot(table))
     _print(results, prompt_tokens, block_size, groups, calls)
     return results
 
