@@ -11,20 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import env, native
 from common.events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from router.routing.compact_index import CompactPrefixIndex as PrefixIndex, key_codes
 from router.routing.index_base import TierMatch
 from router.routing.keytable import MAX_LOAD, MIN_CAPACITY, KeyTable
 
-
-@pytest.fixture(autouse=True, params=["native", "numpy"])
-def key_table_path(request, monkeypatch):
-    """Every test on the key table's C operations (router/routing/keytable.c) and on its numpy/Python paths."""
-    if request.param == "native" and native.find_compiler() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv(env.INDEX_NATIVE.name, request.param)
-    return request.param
+pytestmark = pytest.mark.usefixtures("key_table_path")  # every test on the C table and on the numpy one
 
 
 def k(i: int) -> bytes:

@@ -9,20 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from common import env, native
 from common.events import AllCleared, BlockRemoved, BlockStored, Tier
 from router.routing.compact_index import CompactPrefixIndex
 from router.routing.dict_index import DictPrefixIndex
 from router.routing.keytable import MIN_CAPACITY, WINDOW, KeyTable
 
-
-@pytest.fixture(autouse=True, params=["native", "numpy"])
-def key_table_path(request, monkeypatch):
-    """Every test on the key table's C operations (router/routing/keytable.c) and on its numpy/Python paths."""
-    if request.param == "native" and native.find_compiler() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv(env.INDEX_NATIVE.name, request.param)
-    return request.param
+pytestmark = pytest.mark.usefixtures("key_table_path")  # every test on the C table and on the numpy one
 
 
 def clustered_keys(rng: random.Random, n: int) -> list[bytes]:
