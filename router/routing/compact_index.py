@@ -88,6 +88,10 @@ class CompactPrefixIndex:
         """Bytes of the table's arrays."""
         return self._table.nbytes()
 
+    def groups(self) -> list[str]:
+        """The groups the index has bits for."""
+        return list(self._bit)
+
     def bit(self, group: str) -> int:
         """The group's bit, adding the group if it is new."""
         b = self._bit.get(group)

@@ -269,13 +269,17 @@ class KeyTable:
 
     def insert(self, codes: np.ndarray) -> np.ndarray:
         """The slot of each code, putting those absent from the table into empty slots (their masks zero; equal
-        codes share one). Grows first when the new codes would take the table past ``MAX_LOAD``: counted only
-        when a batch of all-new codes could (a batch of codes held already must not grow the table)."""
-        if self.used + len(codes) > MAX_LOAD * self.capacity:
-            self.reserve(len(distinct(codes[self.find(codes) < 0])))
+        codes share one). Grows first when the new codes would take the table past ``MAX_LOAD``."""
+        self._make_room(codes)
         slots, placed = self._place(codes)
         self.used += placed
         return slots
+
+    def _make_room(self, codes: np.ndarray) -> None:
+        """Grow the table if inserting ``codes`` would take it past ``MAX_LOAD``: counted only when a batch of
+        all-new codes could (a batch of codes held already must not grow the table)."""
+        if self.used + len(codes) > MAX_LOAD * self.capacity:
+            self.reserve(len(distinct(codes[self.find(codes) < 0])))
 
     def add_bit(self, codes: np.ndarray, row: int, word: int, value: int) -> None:
         """Set bit ``value`` of mask word ``word`` in tier ``row`` for each code, inserting the absent ones."""
@@ -283,8 +287,7 @@ class KeyTable:
             slots = self.insert(codes)  # (first: it may grow the table, replacing its arrays)
             self.masks[row, slots, word] |= self.dtype(value)
             return
-        if self.used + len(codes) > MAX_LOAD * self.capacity:
-            self.reserve(len(distinct(codes[self.find(codes) < 0])))
+        self._make_room(codes)
         codes = np.ascontiguousarray(codes, np.uint64)
         self.used += self._c.kvgrid_kt_insert(  # type: ignore[union-attr]
             self._codes_at, self._masks_at, self.masks.itemsize, self.capacity,

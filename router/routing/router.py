@@ -110,8 +110,9 @@ class Router:
         self._predicted_until: dict[tuple[bytes, int], float] = {}  # (key, bit) -> when it lapses
         self._expiry: deque[tuple[float, int, list[bytes]]] = deque()
         self._inflight: dict[str, _Inflight] = {}
-        self._ended: set[str] = set()  # the last ENDED_IDS_KEPT request ids that ended (``on_finish``)...
-        self._ended_order: deque[str] = deque()  # ...oldest first
+        self._ended: dict[
+            str, None
+        ] = {}  # the last ENDED_IDS_KEPT request ids that ended (``on_finish``), oldest first
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)  # ids stay unique across router replicas
         self.paused: set[str] = set()  # known groups that get no new requests (draining, or suspected dead)
@@ -354,10 +355,9 @@ class Router:
     def on_finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed)."""
         self._finish(request_id)
-        self._ended.add(request_id)
-        self._ended_order.append(request_id)
-        if len(self._ended_order) > ENDED_IDS_KEPT:
-            self._ended.discard(self._ended_order.popleft())
+        self._ended[request_id] = None
+        if len(self._ended) > ENDED_IDS_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     def cancel_route(self, request_id: str) -> None:
         """Undo the route of a request that will not run on it (another replica's route won): it leaves the
